@@ -1,0 +1,1 @@
+"""kvz / AlignPred: error-bounded KV-cache compression."""

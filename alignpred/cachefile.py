@@ -1,0 +1,115 @@
+"""Reading and writing KV caches as safetensors files (the kvz input/output convention).
+
+The parser is pure over bytes (:func:`parse_safetensors`); :func:`load_cache` maps a file and
+returns zero-copy views; :func:`save_cache` writes atomically. bfloat16 arrays use ml_dtypes.
+
+>>> import numpy as np, tempfile, os
+>>> t = {f"layers.{i}.{k}": np.arange(12, dtype=np.float32).reshape(1, 3, 4) for i in range(1) for k in ("key", "value")}
+>>> p = os.path.join(tempfile.mkdtemp(), "c.safetensors")
+>>> save_cache(p, t, {"model": "toy"})
+>>> c = load_cache(p)
+>>> c.layout.n_tokens, c.metadata["model"], float(c.tensors["layers.0.value"][0, 2, 3])
+(3, 'toy', 11.0)
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import KvzError, LayoutError
+from .io import atomic_write, map_file
+from .layout import CacheLayout, infer_layout, numpy_dtype
+
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+MAX_HEADER = 256 << 20
+
+
+@dataclass
+class Cache:
+    """A loaded cache: tensors (numpy arrays, possibly memory-mapped), metadata, layout."""
+
+    tensors: dict
+    metadata: dict
+    layout: CacheLayout
+
+
+def parse_safetensors(buf) -> tuple[dict, dict]:
+    """Parse safetensors bytes into ``({name: array view}, metadata)`` without copying."""
+    mv = memoryview(buf)
+    if len(mv) < 8:
+        raise LayoutError("not a safetensors file (shorter than 8 bytes)")
+    (hlen,) = struct.unpack_from("<Q", mv, 0)
+    if hlen > MAX_HEADER or 8 + hlen > len(mv):
+        raise LayoutError("not a safetensors file (header length out of range; truncated?)")
+    try:
+        header = json.loads(bytes(mv[8:8 + hlen]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise LayoutError("not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise LayoutError("not a safetensors file (header is not an object)")
+    meta = header.pop("__metadata__", None) or {}
+    data = mv[8 + hlen:]
+    out = {}
+    for name, info in header.items():
+        try:
+            dt = _ST_DTYPES[info["dtype"]]
+        except (KeyError, TypeError):
+            raise LayoutError(f"tensor {name!r}: unsupported dtype {info.get('dtype') if isinstance(info, dict) else info!r}; "
+                              f"kvz reads {', '.join(_ST_DTYPES)}") from None
+        shape = tuple(int(s) for s in info["shape"])
+        a, b = (int(x) for x in info["data_offsets"])
+        npdt = numpy_dtype(dt)
+        if not (0 <= a <= b <= len(data)) or (b - a) != int(np.prod(shape, dtype=np.int64)) * npdt.itemsize:
+            raise LayoutError(f"tensor {name!r}: data offsets out of range (truncated file?)")
+        out[name] = np.frombuffer(data[a:b], dtype=npdt).reshape(shape)
+    return out, {str(k): str(v) for k, v in meta.items()}
+
+
+def load_cache(path) -> Cache:
+    """Load a cache file; raises KvzError/LayoutError with the file name on any problem."""
+    buf = map_file(path)
+    try:
+        tensors, meta = parse_safetensors(buf)
+        layout = infer_layout(tensors, meta)
+    except LayoutError as e:
+        raise LayoutError(f"{path}: {e}") from None
+    return Cache(tensors, meta, layout)
+
+
+def cache_bytes(tensors: dict, metadata: dict | None = None):
+    """Yield the safetensors encoding of ``tensors`` (in codec order when names allow)."""
+    header = {}
+    off = 0
+    names = list(tensors)
+    for name in names:
+        arr = tensors[name]
+        dt = _ST_NAMES.get(_dtname(arr.dtype))
+        n = arr.size * arr.dtype.itemsize
+        header[name] = {"dtype": dt, "shape": list(arr.shape), "data_offsets": [off, off + n]}
+        off += n
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    yield struct.pack("<Q", len(hb)) + hb
+    for name in names:
+        yield np.ascontiguousarray(tensors[name]).tobytes()
+
+
+def _dtname(dt) -> str:
+    for name in _ST_DTYPES.values():
+        if numpy_dtype(name) == dt:
+            return name
+    raise LayoutError(f"unsupported dtype {dt}")
+
+
+def save_cache(path, tensors: dict, metadata: dict | None = None) -> None:
+    """Write a cache atomically as safetensors."""
+    try:
+        atomic_write(path, cache_bytes(tensors, metadata))
+    except KvzError:
+        raise
