@@ -1,0 +1,1 @@
+"""Benchmarks for kvz: baseline coders and rate-distortion sweeps."""

@@ -1,0 +1,45 @@
+"""Baseline coders for the rate-distortion benchmark, each run at matched measured error.
+
+``BASELINES[name].run(cache, eps, alloc, calib=None) -> Result``; ``eps=None`` means the method's natural setting.
+Optional codec packages (pysz, zfpy, av, zstandard, pcodec) are imported only when a method runs; use
+:func:`available` to list the methods whose packages import here.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ._core import (ALLOCS, Baseline, Encoded, Result, TensorCodec, cast_back, error_stats, n_values, nrmse,
+                    run_codec, search_continuous, search_discrete)
+from . import fp8, hevc, kivi, kvtc, lossless, sz3, zfp
+
+BASELINES: dict[str, TensorCodec] = {}
+for _m in (fp8, kivi, sz3, zfp, kvtc, hevc, lossless):
+    BASELINES.update(_m.baselines())
+
+REQUIRES: dict[str, tuple[str, ...]] = {
+    "sz3": ("pysz",), "sz3_lorenzo": ("pysz",), "sz3_aligned": ("pysz",),
+    "zfp": ("zfpy",), "kvtc": ("zstandard",), "hevc": ("av",), "hevc_chnorm": ("av",),
+    "zstd": ("zstandard",), "zstd_shuffle": ("zstandard",), "pcodec": ("pcodec",),
+}
+
+
+def available() -> list[str]:
+    """Names of the baselines whose optional packages import in this environment."""
+    out = []
+    for name in BASELINES:
+        try:
+            for mod in REQUIRES.get(name, ()):
+                importlib.import_module(mod)
+        except Exception:
+            continue
+        out.append(name)
+    return out
+
+
+def get(name: str) -> TensorCodec:
+    return BASELINES[name]
+
+
+__all__ = ["ALLOCS", "BASELINES", "Baseline", "Encoded", "REQUIRES", "Result", "TensorCodec", "available",
+           "cast_back", "error_stats", "get", "n_values", "nrmse", "run_codec", "search_continuous",
+           "search_discrete"]
