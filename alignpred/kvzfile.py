@@ -1,0 +1,338 @@
+"""Compress a cache into a .kvz file and read it back (whole, or a token range layer by layer).
+
+>>> import numpy as np, tempfile, os
+>>> from alignpred.cachefile import Cache
+>>> from alignpred.layout import infer_layout
+>>> rng = np.random.default_rng(0)
+>>> t = {f"layers.{i}.{k}": rng.standard_normal((1, 300, 16)).astype(np.float16)
+...      for i in range(2) for k in ("key", "value")}
+>>> cache = Cache(t, {}, infer_layout(t))
+>>> from alignpred.calibrate import fit_bank
+>>> bank = fit_bank([cache], rank=None)
+>>> p = os.path.join(tempfile.mkdtemp(), "c.kvz")
+>>> info = compress(cache, p, eps=0.05, bank=bank)
+>>> r = KvzReader(p, bank=bank)
+>>> out = r.read()
+>>> x, y = t["layers.1.value"].astype(np.float64), out["layers.1.value"].astype(np.float64)
+>>> bool(np.linalg.norm(y - x) / np.linalg.norm(x) <= 0.05), out["layers.1.value"].dtype
+(True, dtype('float16'))
+"""
+from __future__ import annotations
+
+import base64
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import __version__, entropy
+from .bank import Bank
+from .codec import OBJ_ZERO, SCOPES, Decoder, Encoder, TensorMeta
+from .errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError
+from .format.container import (ENTRY_SIZE, FOOTER_SIZE, MAJOR, MINOR, PREAMBLE_SIZE, Footer, IndexEntry, crc32,
+                               dump_header, pack_preamble, parse_container)
+from .io import atomic_write, map_file
+from .layout import CacheLayout
+from .predict import CodecConfig
+
+CODER = "rans4"
+
+
+def _b64(a: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(a, np.uint8).tobytes()).decode()
+
+
+def _unb64(s, n: int, what: str) -> np.ndarray:
+    try:
+        b = base64.b64decode(s, validate=True)
+    except (ValueError, TypeError):
+        raise FormatError(f"header field {what} is not base64") from None
+    if len(b) != n:
+        raise FormatError(f"header field {what} has {len(b)} bytes, expected {n}")
+    return np.frombuffer(b, np.uint8)
+
+
+@dataclass
+class CompressInfo:
+    """What :func:`compress` wrote: sizes, bits per value and achieved errors."""
+
+    path: str
+    n_values: int
+    file_bytes: int
+    bank_bytes: int
+    nrmse_pooled: float
+    nrmse_tensor: dict
+
+    @property
+    def bpv(self) -> float:
+        return 8.0 * self.file_bytes / max(self.n_values, 1)
+
+    @property
+    def nrmse_max_tensor(self) -> float:
+        return max(self.nrmse_tensor.values(), default=0.0)
+
+
+def compress(cache, out_path, *, eps: float, bank: Bank | None = None, scope: str = "tensor",
+             config: CodecConfig | None = None, embed_bank: bool = False, progress=None) -> CompressInfo:
+    """Compress ``cache`` (a :class:`~alignpred.cachefile.Cache`) into ``out_path`` atomically.
+
+    ``bank`` is the calibration bank (auxiliary; referenced by id) — with ``embed_bank`` it is
+    stored in the file and counted in bpv (``--self-calibrate``).
+    """
+    config = config or CodecConfig()
+    lay = cache.layout
+    if lay.n_tokens == 0:
+        raise LayoutError("the cache has no tokens (empty cache); nothing to compress")
+    if bank is None:
+        raise BankMismatchError("compression needs a calibration bank (--bank) or --self-calibrate")
+    if scope not in SCOPES:
+        raise KvzError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
+    enc = Encoder(lay, bank, config, eps, scope)
+    bank_bytes = bank.to_bytes() if embed_bank else b""
+    metas: list[TensorMeta] = []
+    entries: list[IndexEntry] = []
+    state = {"bytes": 0}
+
+    def chunks():
+        yield pack_preamble()
+        off = PREAMBLE_SIZE
+        for meta in enc.encode(cache.tensors, progress):
+            for ob in meta.objects:
+                entries.append(IndexEntry(ob.tensor, ob.token_start, ob.n_tokens, ob.flags, off, len(ob.payload),
+                                          ob.delta, ob.sq_err, ob.sq_norm, crc32(ob.payload)))
+                off += len(ob.payload)
+                yield ob.payload
+            meta.objects = []
+            metas.append(meta)
+        bank_info = {"id": bank.id, "model": bank.model, "embedded": None}
+        if embed_bank:
+            bank_info["embedded"] = {"offset": off, "length": len(bank_bytes), "crc32": crc32(bank_bytes)}
+            off += len(bank_bytes)
+            yield bank_bytes
+        header = {
+            "format": "kvz", "version": [MAJOR, MINOR], "flags": 0, "created_by": f"kvz {__version__}",
+            "layout": lay.to_json(),
+            "codec": {"name": "alignpred", "config": config.to_json(), "eps": eps, "eps_scope": scope,
+                      "entropy": {"coder": CODER, "model_set": entropy.MODEL_SET_ID, "prec": entropy.PREC}},
+            "bank": bank_info,
+            "tensors": [{"name": m.name, "modes": _b64(m.modes), "models": _b64(m.models), "sq_err": m.sq_err,
+                         "sq_norm": m.sq_norm} for m in metas],
+            "source_metadata": {k: v for k, v in cache.metadata.items() if k != "token_ids"},
+        }
+        hb = dump_header(header)
+        ib = b"".join(e.pack() for e in entries)
+        ft = Footer(off, len(hb), off + len(hb), len(ib), crc32(hb), crc32(ib))
+        yield hb
+        yield ib
+        yield ft.pack()
+        state["bytes"] = off + len(hb) + len(ib) + FOOTER_SIZE
+
+    atomic_write(out_path, chunks())
+    tens = {m.name: math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0 for m in metas}
+    tot_e = sum(m.sq_err for m in metas)
+    tot_n = sum(m.sq_norm for m in metas)
+    return CompressInfo(str(out_path), lay.n_values, state["bytes"], len(bank_bytes),
+                        math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0, tens)
+
+
+class KvzReader:
+    """Random-access reader of a .kvz file. Everything but the payloads is verified on open.
+
+    ``bank``: a :class:`Bank`, a path to one, or None (embedded bank, or a bundled bank whose id
+    matches). Payload checksums are verified as objects are decoded.
+    """
+
+    def __init__(self, path, bank=None):
+        self.path = os.fspath(path)
+        self._buf = map_file(self.path)
+        try:
+            parsed = parse_container(self._buf)
+        except FormatError as e:
+            raise type(e)(f"{self.path}: {e}") from None
+        self.header = parsed.header
+        self.index = parsed.index
+        self.version = parsed.version
+        try:
+            self._validate()
+        except FormatError as e:
+            raise type(e)(f"{self.path}: {e}") from None
+        self._bank_arg = bank
+        self._decoder = None
+
+    # -- validation ------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        h = self.header
+        try:
+            self.layout = CacheLayout.from_json(h["layout"])
+            codec = h["codec"]
+            self.config = CodecConfig.from_json(codec["config"])
+            self.eps = float(codec["eps"])
+            self.scope = str(codec["eps_scope"])
+            ent = codec["entropy"]
+            tensors = h["tensors"]
+            bank = h["bank"]
+            self.bank_id = str(bank["id"])
+        except (KeyError, TypeError, ValueError, LayoutError) as e:
+            raise FormatError(f"malformed header ({type(e).__name__}: {e})") from None
+        if codec.get("name") != "alignpred":
+            raise FormatError(f"unknown codec {codec.get('name')!r}")
+        if ent.get("coder") != CODER or ent.get("model_set") != entropy.MODEL_SET_ID or ent.get("prec") != entropy.PREC:
+            raise FormatError(f"unsupported entropy coder {ent!r}")
+        lay = self.layout
+        S = self.config.object_size
+        if S < 2 or S % 2 or S > 1 << 16:
+            raise FormatError(f"invalid object size {S}")
+        if not isinstance(tensors, list) or len(tensors) != 2 * lay.num_layers:
+            raise FormatError("header tensor list does not match the layout")
+        n_obj = -(-lay.n_tokens // S)
+        if len(self.index) != n_obj * len(tensors):
+            raise FormatError(f"index holds {len(self.index)} objects, layout needs {n_obj * len(tensors)}")
+        C = lay.kv_heads * lay.head_dim
+        self.metas = []
+        for ti, (t, name) in enumerate(zip(tensors, lay.tensor_names())):
+            if not isinstance(t, dict) or t.get("name") != name:
+                raise FormatError(f"header tensor {ti} should be {name}")
+            modes = _unb64(t.get("modes"), C, f"{name}.modes").reshape(lay.kv_heads, lay.head_dim)
+            models = _unb64(t.get("models"), C, f"{name}.models")
+            self.metas.append(TensorMeta(name, modes, models, float(t.get("sq_err", 0.0)),
+                                         float(t.get("sq_norm", 0.0))))
+        prev_end = PREAMBLE_SIZE
+        for k, e in enumerate(self.index):
+            ti, j = divmod(k, n_obj)
+            want_n = min(S, lay.n_tokens - j * S)
+            if e.tensor != ti or e.token_start != j * S or e.n_tokens != want_n:
+                raise FormatError(f"index entry {k} does not follow the layout order")
+            if e.flags & ~OBJ_ZERO or bool(e.flags & OBJ_ZERO) != (e.length == 0):
+                raise FormatError(f"index entry {k} has invalid flags")
+            if not (e.flags & OBJ_ZERO) and not (math.isfinite(e.delta) and e.delta > 0):
+                raise FormatError(f"index entry {k} has an invalid quantisation step")
+            if e.offset != prev_end:
+                raise FormatError(f"index entry {k}: payloads must be contiguous")
+            prev_end = e.offset + e.length
+        emb = self.header["bank"].get("embedded")
+        end = prev_end + (int(emb["length"]) if emb else 0)
+        if emb and int(emb["offset"]) != prev_end:
+            raise FormatError("embedded bank offset is inconsistent")
+        if end != parsed_header_offset(self._buf):
+            raise FormatError("payloads do not end where the header starts")
+        self.n_objects_per_tensor = n_obj
+
+    # -- bank ------------------------------------------------------------------------------------
+    def _resolve_bank(self) -> Bank:
+        emb = self.header["bank"].get("embedded")
+        if emb:
+            a, n = int(emb["offset"]), int(emb["length"])
+            raw = self._buf[a:a + n]
+            if crc32(raw) != int(emb["crc32"]):
+                raise ChecksumError(f"{self.path}: embedded bank checksum mismatch")
+            bank = Bank.from_bytes(raw)
+        else:
+            arg = self._bank_arg
+            if arg is None:
+                arg = find_bundled_bank(self.bank_id)
+                if arg is None:
+                    raise BankMismatchError(f"{self.path} was written with bank {self.bank_id[:19]}…; "
+                                            "pass it with --bank")
+            bank = arg if isinstance(arg, Bank) else Bank.load(arg)
+        if bank.id != self.bank_id:
+            raise BankMismatchError(f"{self.path} needs bank {self.bank_id[:19]}… but got {bank.id[:19]}…; "
+                                    "use the bank the file was compressed with")
+        return bank
+
+    @property
+    def decoder(self) -> Decoder:
+        if self._decoder is None:
+            dec = Decoder(self.layout, self._resolve_bank(), self.config)
+            try:
+                dec.check(self.metas)
+            except FormatError as e:
+                raise FormatError(f"{self.path}: {e}") from None
+            self._decoder = dec
+        return self._decoder
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _fetch(self, ti: int, j: int):
+        e = self.index[ti * self.n_objects_per_tensor + j]
+        payload = self._buf[e.offset:e.offset + e.length]
+        if crc32(payload) != e.crc:
+            raise ChecksumError(f"{self.path}: checksum mismatch in {self.metas[ti].name} tokens "
+                                f"{e.token_start}..{e.token_start + e.n_tokens}")
+        return e, payload
+
+    def iter_layers(self, tokens: tuple[int, int] | None = None, layers: int | None = None):
+        """Yield ``(name, array)`` layer by layer (key then value) for a token range ``[a, b)``;
+        only the objects covering the range are read."""
+        lay = self.layout
+        a, b = (0, lay.n_tokens) if tokens is None else (int(tokens[0]), int(tokens[1]))
+        if not (0 <= a < b <= lay.n_tokens):
+            raise KvzError(f"token range {a}..{b} is outside 0..{lay.n_tokens}")
+        n_layers = lay.num_layers if layers is None else int(layers)
+        if not (1 <= n_layers <= lay.num_layers):
+            raise KvzError(f"layers must be in 1..{lay.num_layers}")
+        S = self.config.object_size
+        j0, j1 = a // S, -(-b // S)
+        for name, arr in self.decoder.decode_range(self.metas, self._fetch, j0, j1, n_layers):
+            arr = arr[:, a - j0 * S:b - j0 * S]
+            yield name, (arr[None] if lay.batch_dim else arr)
+
+    def read(self, tokens=None, layers=None) -> dict:
+        """Decode into ``{name: array}`` (the source's names, shapes and dtype)."""
+        return dict(self.iter_layers(tokens, layers))
+
+    # -- summary ---------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        lay = self.layout
+        size = len(self._buf)
+        per = {}
+        for ti, m in enumerate(self.metas):
+            ents = self.index[ti * self.n_objects_per_tensor:(ti + 1) * self.n_objects_per_tensor]
+            nbytes = sum(e.length for e in ents) + ENTRY_SIZE * len(ents)
+            n_vals = lay.kv_heads * lay.n_tokens * lay.head_dim
+            per[m.name] = {"nrmse": math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0,
+                           "bpv_payload": 8.0 * nbytes / n_vals,
+                           "max_object_nrmse": max((math.sqrt(e.sq_err / e.sq_norm) if e.sq_norm > 0 else 0.0)
+                                                   for e in ents)}
+        tot_e = sum(m.sq_err for m in self.metas)
+        tot_n = sum(m.sq_norm for m in self.metas)
+        emb = self.header["bank"].get("embedded")
+        return {"file": self.path, "version": ".".join(map(str, self.version)), "layout": lay.to_json(),
+                "eps": self.eps, "eps_scope": self.scope, "config": self.config.to_json(),
+                "bank_id": self.bank_id, "bank_embedded": bool(emb),
+                "bank_bytes": int(emb["length"]) if emb else 0,
+                "file_bytes": size, "n_values": lay.n_values, "bpv": 8.0 * size / lay.n_values,
+                "nrmse_pooled": math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0,
+                "nrmse_max_tensor": max(v["nrmse"] for v in per.values()), "tensors": per}
+
+
+def parsed_header_offset(buf) -> int:
+    return Footer.unpack(buf[len(buf) - FOOTER_SIZE:], len(buf)).header_offset
+
+
+def find_bundled_bank(bank_id: str):
+    """Path of a bank with this id among ``$KVZ_BANK_PATH`` (os.pathsep-separated) and the
+    bundled samples, or None."""
+    import glob
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dirs = [d for d in os.environ.get("KVZ_BANK_PATH", "").split(os.pathsep) if d]
+    dirs.append(os.path.join(here, "samples"))
+    for d in dirs:
+        for p in sorted(glob.glob(os.path.join(d, "**", "*.h5"), recursive=True)):
+            try:
+                if bank_id_of(p) == bank_id:
+                    return p
+            except KvzError:
+                continue
+    return None
+
+
+def bank_id_of(path) -> str:
+    """The stored content id of an HDF5 bank (cheap; not verified)."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return str(f.attrs["content_id"])
+    except (OSError, KeyError):
+        raise KvzError(f"{path}: not a kvz bank") from None

@@ -1,0 +1,202 @@
+"""Prediction: per block, the coding frame (centring, RoPE undone, optional GPA rotation) and the
+predictors, chosen per channel.
+
+A channel's *mode* is ``base | INTERP``: the base prediction is ``ZERO`` (the bank mean),
+``MAP`` (the bank's linear map from already-decoded blocks at the same position: cross-layer
+and K->V) or ``BLEND`` (the paper's aligned predictor ``lambda_v * mean of earlier aligned blocks
+of the group``); with ``INTERP`` the base residual is further predicted by token interpolation
+inside each object (even positions first, then odd positions from the mean of their
+reconstructed even neighbours; the last odd position uses its left neighbour).
+
+>>> import numpy as np
+>>> w = np.array([[1.0], [2.0], [3.0], [5.0]], np.float32)
+>>> q, wh = quantize_residual(w, np.full(4, 0.5, np.float32), np.array([True]), 256)
+>>> q.ravel().tolist(), wh.ravel().tolist()
+([2, 0, 6, 4], [1.0, 2.0, 3.0, 5.0])
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .errors import BankMismatchError
+
+ZERO, MAP, BLEND = 0, 1, 2
+INTERP = 4
+MODE_NAMES = {ZERO: "zero", MAP: "map", BLEND: "blend"}
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Every switch that changes the bitstream; written into the file header.
+
+    ``align``: code blocks in their GPA-aligned frame. ``inter_map``: allow the linear-map
+    predictor. ``blend``: allow the paper's lambda-blended aligned predictor. ``intra``: allow
+    token interpolation. ``channel_choice``: choose the mode per channel (else one per block).
+    ``rope_undo``: code keys with RoPE undone.
+    """
+
+    object_size: int = 256
+    align: bool = False
+    inter_map: bool = True
+    blend: bool = False
+    intra: bool = True
+    channel_choice: bool = True
+    rope_undo: bool = True
+    lambdas: tuple = (0.5, 0.75)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["lambdas"] = list(self.lambdas)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CodecConfig":
+        d = dict(d)
+        d["lambdas"] = tuple(d.get("lambdas", (0.5, 0.75)))
+        return cls(**d)
+
+    def candidate_modes(self, has_map: bool, has_blend: bool) -> list[int]:
+        bases = [ZERO] + ([MAP] if self.inter_map and has_map else []) + ([BLEND] if self.blend and has_blend else [])
+        return bases + ([b | INTERP for b in bases] if self.intra else [])
+
+
+@dataclass
+class BlockPlan:
+    """Everything needed to predict one block, in its coding frame."""
+
+    block: str
+    mean: np.ndarray
+    rot: np.ndarray | None
+    map_sources: list
+    map_u: np.ndarray | None = None
+    map_vt: np.ndarray | None = None
+    blend_refs: list | None = None
+    blend_lambda: float = 0.0
+
+    def base(self, mode: int, recon: dict, rows: slice | None = None):
+        """Base prediction ``[n, d]`` for ``mode`` from reconstructed sources (coding frame)."""
+        b = mode & 3
+        if b == MAP:
+            src = [recon[s] if rows is None else recon[s][rows] for s in self.map_sources]
+            x = src[0] if len(src) == 1 else np.concatenate(src, axis=1)
+            y = x @ self.map_u
+            return y if self.map_vt is None else y @ self.map_vt
+        if b == BLEND:
+            refs = [recon[s] if rows is None else recon[s][rows] for s in self.blend_refs]
+            return (self.blend_lambda / len(refs)) * sum(refs)
+        return None
+
+
+def build_plans(layout, bank, config: CodecConfig) -> dict[str, BlockPlan]:
+    """Per-block prediction plans from the bank (maps moved into the coding frame)."""
+    from .bank import block_name
+
+    bank.check_layout(layout)
+    plans = {}
+    for i in range(layout.num_layers):
+        for kind in ("K", "V"):
+            for h in range(layout.kv_heads):
+                b = block_name(kind, i, h)
+                try:
+                    mean = bank.mean(b)
+                except KeyError:
+                    raise BankMismatchError(f"bank has no mean for block {b}") from None
+                rot = bank.rotation(b) if config.align else None
+                if config.align and rot is None:
+                    raise BankMismatchError("alignment requested but the bank has no rotations")
+                plans[b] = BlockPlan(block=b, mean=mean, rot=rot, map_sources=bank.sources(b))
+    for b, p in plans.items():
+        f = bank.map_factors(b) if config.inter_map else None
+        if f is not None and p.map_sources:
+            u, vt = f
+            if config.align:
+                # refs arrive aligned (z_u = x_u A_u): undo each source rotation, then rotate into A_b.
+                d = p.mean.shape[0]
+                u = np.concatenate([plans[s].rot @ u[k * d:(k + 1) * d] for k, s in enumerate(p.map_sources)], axis=0)
+                if vt is None:
+                    u = u @ p.rot
+                else:
+                    vt = vt @ p.rot
+            p.map_u = np.ascontiguousarray(u, np.float32)
+            p.map_vt = None if vt is None else np.ascontiguousarray(vt, np.float32)
+        if config.blend:
+            g = bank.group_of(b)
+            k = g.index(b)
+            if k > 0:
+                p.blend_refs = g[:k]
+                p.blend_lambda = float(config.lambdas[0] if k == 1 else config.lambdas[1])
+    return plans
+
+
+def quantize_residual(w: np.ndarray, delta_rows: np.ndarray, interp: np.ndarray, object_size: int):
+    """Quantise the base residual ``w [n, d]`` (rows = positions from an object boundary, each
+    row's step in ``delta_rows``); channels with ``interp`` use token interpolation.
+    Returns ``(q int32 [n, d], reconstructed residual [n, d])``."""
+    dr = delta_rows[:, None].astype(np.float32)
+    q = np.rint(w.astype(np.float32) / dr)
+    wh = q * dr
+    if interp.any():
+        cols = np.nonzero(interp)[0]
+        wi = w[:, cols]
+        qi = q[:, cols]
+        whi = wh[:, cols]
+        pred = interp_prediction(whi, object_size)
+        odd = slice(1, None, 2)
+        qo = np.rint((wi[odd] - pred) / dr[odd])
+        qi[odd] = qo
+        whi[odd] = pred + qo * dr[odd]
+        q[:, cols] = qi
+        wh[:, cols] = whi
+    return q.astype(np.int32), wh.astype(np.float32)
+
+
+def interp_prediction(wh: np.ndarray, object_size: int) -> np.ndarray:
+    """Prediction of the odd rows from the reconstructed even rows (within objects)."""
+    n = wh.shape[0]
+    left = wh[0:n - 1:2] if n > 1 else wh[:0]
+    odd_t = np.arange(1, n, 2)
+    right_t = odd_t + 1
+    ok = (right_t < n) & (right_t % object_size != 0)
+    right = wh[np.where(ok, right_t, odd_t - 1)]
+    return np.where(ok[:, None], 0.5 * (left + right), left)
+
+
+def dequantize_residual(q: np.ndarray, delta_rows: np.ndarray, interp: np.ndarray, object_size: int):
+    """Decoder side of :func:`quantize_residual`."""
+    dr = delta_rows[:, None].astype(np.float32)
+    q = q.astype(np.float32)
+    wh = q * dr
+    if interp.any():
+        cols = np.nonzero(interp)[0]
+        whi = wh[:, cols]
+        pred = interp_prediction(whi, object_size)
+        whi[1::2] = pred + q[1::2][:, cols] * dr[1::2]
+        wh[:, cols] = whi
+    return wh.astype(np.float32)
+
+
+def channel_entropy_bits(q: np.ndarray) -> np.ndarray:
+    """Empirical zeroth-order entropy, in bits, of each column of ``q [n, d]`` (float64 ``[d]``).
+    The cost proxy used to choose a predictor per channel.
+
+    >>> channel_entropy_bits(np.array([[0, 1], [0, 2], [0, 1], [0, 2]])).tolist()
+    [0.0, 4.0]
+    """
+    n = q.shape[0]
+    if n == 0:
+        return np.zeros(q.shape[1])
+    s = np.sort(q, axis=0).T  # [d, n]
+    start = np.ones(s.shape, dtype=bool)
+    start[:, 1:] = s[:, 1:] != s[:, :-1]
+    col, pos = np.nonzero(start)
+    nxt = np.empty_like(pos)
+    nxt[:-1] = pos[1:]
+    last = np.ones(len(pos), dtype=bool)
+    last[:-1] = col[1:] != col[:-1]
+    nxt[last] = n
+    run = (nxt - pos).astype(np.float64)
+    per = np.zeros(q.shape[1])
+    np.add.at(per, col, run * np.log2(run))
+    return n * np.log2(n) - per
