@@ -57,6 +57,9 @@ class _Chain:
         self.config = config
         self.plans = build_plans(layout, bank, config)
         self.out_dtype = numpy_dtype(layout.dtype)
+        import ml_dtypes
+
+        self._fmax = float(ml_dtypes.finfo(self.out_dtype).max)
         last_use: dict[str, int] = {}
         order = self.block_order()
         for k, b in enumerate(order):
@@ -99,8 +102,7 @@ class _Chain:
         if kind == "K" and lay.keys_roped and self.config.rope_undo:
             x = apply_rope(x, np.arange(x.shape[0]) + start + lay.position_offset, lay.rope_theta[layer],
                            pairing=lay.rope_pairing)
-        fmax = float(np.finfo(self.out_dtype).max)
-        return np.clip(x, -fmax, fmax).astype(self.out_dtype)
+        return np.clip(x, -self._fmax, self._fmax).astype(self.out_dtype)
 
 
 def _tensor_name(layer: int, kind: str) -> str:
@@ -149,6 +151,7 @@ class Encoder(_Chain):
         T = x.shape[1]
         delta_rows = np.repeat(np.asarray(delta_obj, np.float32), S)[:T]
         zero_rows = np.repeat(zero_obj, S)[:T]
+        delta_rows[zero_rows] = 1.0
         local = dict(recon)
         qs, recs, chosen = [], [], []
         err = np.zeros(len(delta_obj))

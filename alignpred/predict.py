@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .errors import BankMismatchError
+from .errors import BankMismatchError, EncodeError
 
 ZERO, MAP, BLEND = 0, 1, 2
 INTERP = 4
@@ -149,6 +149,8 @@ def quantize_residual(w: np.ndarray, delta_rows: np.ndarray, interp: np.ndarray,
         whi[odd] = pred + qo * dr[odd]
         q[:, cols] = qi
         wh[:, cols] = whi
+    if q.size and float(np.max(np.abs(q))) >= 2.0 ** 30:
+        raise EncodeError("quantisation step too small for the residuals (eps too small?)")
     return q.astype(np.int32), wh.astype(np.float32)
 
 

@@ -1,0 +1,47 @@
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from alignpred.cachefile import Cache
+from alignpred.layout import infer_layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
+BANK = os.path.join(SAMPLES, "bank.h5")
+
+
+def sample_paths():
+    return sorted(glob.glob(os.path.join(SAMPLES, "*.safetensors")))
+
+
+def synthetic_cache(n_layers=3, heads=1, T=300, d=32, dtype=np.float16, seed=0, roped=False):
+    """Correlated synthetic cache (unit tests only): layers share a latent signal."""
+    rng = np.random.default_rng(seed)
+    latent = rng.standard_normal((heads, T, d)).cumsum(axis=1) * 0.1 + rng.standard_normal((heads, T, d))
+    t = {}
+    for i in range(n_layers):
+        mk = rng.standard_normal((d, d)) / np.sqrt(d)
+        mv = rng.standard_normal((d, d)) / np.sqrt(d)
+        t[f"layers.{i}.key"] = (latent @ mk + 0.3 * rng.standard_normal((heads, T, d)) + 0.5).astype(dtype)
+        t[f"layers.{i}.value"] = (latent @ mv + 0.3 * rng.standard_normal((heads, T, d))).astype(dtype)
+    meta = {}
+    if roped:
+        import json
+        meta = {"keys_roped": "true", "rope_theta": json.dumps([1e4] * n_layers), "rope_pairing": "half",
+                "layer_types": json.dumps(["sliding_attention"] * n_layers)}
+    return Cache(t, meta, infer_layout(t, meta))
+
+
+@pytest.fixture
+def synth():
+    return synthetic_cache()
+
+
+@pytest.fixture(scope="session")
+def real_bank():
+    from alignpred import Bank
+    if not os.path.exists(BANK):
+        pytest.skip("bundled bank not built")
+    return Bank.load(BANK)

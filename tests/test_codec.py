@@ -1,0 +1,111 @@
+"""Round trips of the codec on synthetic caches (the real-sample tests are in test_samples.py)."""
+import numpy as np
+import pytest
+
+from alignpred import CodecConfig, KvzReader, NonFiniteError, compress, fit_bank
+from alignpred.cachefile import Cache
+from alignpred.layout import infer_layout
+from conftest import synthetic_cache
+
+
+def nrmse(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(a)
+
+
+@pytest.mark.parametrize("scope", ["object", "tensor", "pooled"])
+def test_scopes_meet_eps(tmp_path, scope):
+    c = synthetic_cache(T=600)
+    bank = fit_bank([synthetic_cache(T=600, seed=0)], rank=8)
+    eps = 0.02
+    info = compress(c, tmp_path / "c.kvz", eps=eps, bank=bank, scope=scope)
+    out = KvzReader(tmp_path / "c.kvz", bank=bank).read()
+    S = 256
+    if scope == "pooled":
+        num = sum(np.sum((out[n].astype(np.float64) - c.tensors[n].astype(np.float64)) ** 2) for n in out)
+        den = sum(np.sum(c.tensors[n].astype(np.float64) ** 2) for n in out)
+        assert np.sqrt(num / den) <= eps
+        assert abs(np.sqrt(num / den) - info.nrmse_pooled) < 1e-9
+    for n, x in c.tensors.items():
+        assert out[n].dtype == x.dtype and out[n].shape == x.shape
+        if scope == "tensor":
+            assert nrmse(x, out[n]) <= eps
+            assert nrmse(x, out[n]) > 0.8 * eps  # the search spends the budget
+        if scope == "object":
+            for a in range(0, x.shape[1], S):
+                assert nrmse(x[:, a:a + S], out[n][:, a:a + S]) <= eps
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, "bfloat16"])
+def test_dtype_round_trips(tmp_path, dtype):
+    import ml_dtypes
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    c = synthetic_cache(T=100, dtype=dt)
+    bank = fit_bank([c], rank=None)
+    compress(c, tmp_path / "c.kvz", eps=0.01, bank=bank)
+    out = KvzReader(tmp_path / "c.kvz", bank=bank).read()
+    for n, x in c.tensors.items():
+        assert out[n].dtype == np.dtype(dt)
+        assert nrmse(x, out[n]) <= 0.01
+
+
+def test_token_range_and_layers_match_full_decode(tmp_path):
+    c = synthetic_cache(n_layers=4, T=700, roped=True)
+    bank = fit_bank([c], rank=4)
+    compress(c, tmp_path / "c.kvz", eps=0.03, bank=bank)
+    r = KvzReader(tmp_path / "c.kvz", bank=bank)
+    full = r.read()
+    part = r.read(tokens=(300, 650), layers=2)
+    assert sorted(part) == ["layers.0.key", "layers.0.value", "layers.1.key", "layers.1.value"]
+    for n, a in part.items():
+        np.testing.assert_array_equal(a, full[n][:, 300:650])
+
+
+@pytest.mark.parametrize("cfg", [CodecConfig(align=True, blend=True), CodecConfig(inter_map=False),
+                                 CodecConfig(intra=False, channel_choice=False), CodecConfig(rope_undo=False)])
+def test_ablation_configs_round_trip(tmp_path, cfg):
+    c = synthetic_cache(T=300, roped=True, heads=2)
+    bank = fit_bank([c], rank=8)
+    compress(c, tmp_path / "c.kvz", eps=0.02, bank=bank, config=cfg)
+    out = KvzReader(tmp_path / "c.kvz", bank=bank).read()
+    for n, x in c.tensors.items():
+        assert nrmse(x, out[n]) <= 0.02
+
+
+def test_zero_tensor_and_zero_channel(tmp_path):
+    c = synthetic_cache(T=300)
+    t = dict(c.tensors)
+    t["layers.1.key"] = np.zeros_like(t["layers.1.key"])
+    v = t["layers.2.value"].copy()
+    v[..., 3] = 7.0  # zero-variance channel
+    t["layers.2.value"] = v
+    c2 = Cache(t, {}, infer_layout(t))
+    bank = fit_bank([c], rank=4)
+    compress(c2, tmp_path / "c.kvz", eps=0.02, bank=bank)
+    out = KvzReader(tmp_path / "c.kvz", bank=bank).read()
+    assert not out["layers.1.key"].any()
+    assert nrmse(v, out["layers.2.value"]) <= 0.02
+
+
+def test_batch_dim_round_trips(tmp_path):
+    c = synthetic_cache(T=50)
+    t = {n: a[None] for n, a in c.tensors.items()}
+    c2 = Cache(t, {}, infer_layout(t))
+    bank = fit_bank([c], rank=4)
+    compress(c2, tmp_path / "c.kvz", eps=0.05, bank=bank)
+    out = KvzReader(tmp_path / "c.kvz", bank=bank).read()
+    assert out["layers.0.key"].shape == (1, 1, 50, 32)
+
+
+def test_nan_refused_with_location(tmp_path):
+    c = synthetic_cache(T=50, dtype=np.float32)
+    t = dict(c.tensors)
+    v = t["layers.1.value"].copy()
+    v[0, 7, 3] = np.nan
+    t["layers.1.value"] = v
+    bank = fit_bank([c], rank=4)
+    with pytest.raises(NonFiniteError, match=r"layers.1.value.*token 7, channel 3"):
+        compress(Cache(t, {}, infer_layout(t)), tmp_path / "c.kvz", eps=0.05, bank=bank)
+    assert not (tmp_path / "c.kvz").exists()
+    assert list(tmp_path.iterdir()) == []  # no temporary left behind
