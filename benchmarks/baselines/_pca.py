@@ -15,7 +15,7 @@ def fit_pca_bank(calib: list[dict[str, np.ndarray]], names) -> dict[str, tuple[n
         x = np.concatenate([p.astype(np.float64) for p in parts], axis=-2)  # [H, T, D]
         mu = x.mean(axis=-2)
         xc = x - mu[:, None, :]
-        cov = np.einsum("htd,hte->hde", xc, xc) / max(1, x.shape[-2] - 1)
+        cov = np.matmul(np.swapaxes(xc, -1, -2), xc) / max(1, x.shape[-2] - 1)
         w, v = np.linalg.eigh(cov)
         order = np.argsort(w, axis=-1)[:, ::-1]
         w = np.take_along_axis(w, order, axis=-1)
