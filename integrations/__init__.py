@@ -1,0 +1,1 @@
+"""Bridges between kvz and real model runtimes (optional ``model`` extra)."""
