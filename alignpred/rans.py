@@ -28,6 +28,7 @@ K_DIRECT = 4                   # u < 2**K_DIRECT is a token by itself
 N_TOKENS = (1 << K_DIRECT) + 4 * (32 - K_DIRECT)   # 128
 N_LANES = 4                    # interleaved rANS states
 STATE_BYTES = 8 * N_LANES      # flushed states at the start of a payload
+COARSE_SHIFT = 3               # decoder lookup: one table entry per 2**COARSE_SHIFT slots
 
 _U64_0 = np.uint64(0)
 _U64_1 = np.uint64(1)
@@ -39,6 +40,7 @@ _SLOT_MASK = np.uint64((1 << PREC) - 1)
 _XMAX_SHIFT = np.uint64(64 - PREC)           # token renorm bound: x >= freq << (64 - PREC)
 _U16 = np.uint64(16)
 _MASK16 = np.uint64(0xFFFF)
+_COARSE_SHIFT_U = np.uint64(COARSE_SHIFT)
 
 ERR_OK = 0
 ERR_EOF = 1          # ran out of input words
@@ -164,15 +166,44 @@ def model_costs(hist, cost_fx):
 
 
 @njit(cache=True)
-def encode_kernel(q, ids, packed, out):
-    """Encode q (int32 [C, N]) into ``out`` (uint32 words, written from the end backwards).
+def pack_raw(q):
+    """Raw bits of all symbols of q in order i = 0.., packed LSB-first into uint32 words."""
+    flat = q.ravel()
+    n = flat.size
+    total = 0
+    for i in range(n):
+        tok, nb, raw = _tokenize(flat[i])
+        total += nb
+    out = np.zeros((total + 31) // 32, dtype=np.uint32)
+    acc = _U64_0
+    fill = 0
+    o = 0
+    for i in range(n):
+        tok, nb, raw = _tokenize(flat[i])
+        if nb > 0:
+            acc |= np.uint64(raw) << np.uint64(fill)
+            fill += nb
+            if fill >= 32:
+                out[o] = np.uint32(acc & _MASK32)
+                o += 1
+                acc >>= _SHIFT32
+                fill -= 32
+    if fill > 0:
+        out[o] = np.uint32(acc & _MASK32)
+    return out
 
-    ``packed[m, t] = freq << 16 | cum``.  Returns the index of the first word used; the
-    payload is ``out[start:]`` (the first 8 words are the flushed states).  ``out`` must hold
-    at least ``2 * C * N + 8`` words.
+
+@njit(cache=True)
+def encode_kernel(q, ids, packed):
+    """Encode q (int32 [C, N], C*N > 0) with models ``ids``; returns the payload as uint32 words.
+
+    ``packed[m, t] = freq << 16 | cum``.
     """
     C, N = q.shape
-    pos = out.shape[0]
+    n = C * N
+    raw_words = pack_raw(q)
+    stack = np.empty(n + 1, dtype=np.uint32)
+    pos = stack.shape[0]
     # x0 is the state of the lane of the current symbol i, x1 that of i+1, ... (mod 4)
     x0 = _L
     x1 = _L
@@ -180,44 +211,78 @@ def encode_kernel(q, ids, packed, out):
     x3 = _L
     for cc in range(C):
         c = C - 1 - cc
-        m = ids[c]
+        pk = packed[ids[c]]
         for tt in range(N):
             t = N - 1 - tt
             tok, nb, raw = _tokenize(q[c, t])
             x = x0
-            if nb > 0:
-                nbu = np.uint64(nb)
-                if x >= (_U64_1 << (np.uint64(64) - nbu)):
-                    pos -= 1
-                    out[pos] = np.uint32(x & _MASK32)
-                    x >>= _SHIFT32
-                x = (x << nbu) | np.uint64(raw)
-            p = np.uint64(packed[m, tok])
+            p = np.uint64(pk[tok])
             f = p >> _U16
-            cum = p & _MASK16
             if x >= (f << _XMAX_SHIFT):
                 pos -= 1
-                out[pos] = np.uint32(x & _MASK32)
+                stack[pos] = np.uint32(x & _MASK32)
                 x >>= _SHIFT32
-            x = ((x // f) << _PREC_U) + (x % f) + cum
+            x = ((x // f) << _PREC_U) + (x % f) + (p & _MASK16)
             # rotate backwards: the new x0 is the lane of symbol i-1
             x0 = x3
             x3 = x2
             x2 = x1
             x1 = x
-    # now x1 = lane 0, x2 = lane 1, x3 = lane 2, x0 = lane 3; flush lane 0 first
-    pos -= 8
+    # now x1 = lane 0, x2 = lane 1, x3 = lane 2, x0 = lane 3
+    n_ans = stack.shape[0] - pos
+    n_raw = raw_words.shape[0]
+    out = np.empty(8 + n_ans + n_raw, dtype=np.uint32)
     lanes = (x1, x2, x3, x0)
     for k in range(4):
-        s = lanes[k]
-        out[pos + 2 * k] = np.uint32(s & _MASK32)
-        out[pos + 2 * k + 1] = np.uint32(s >> _SHIFT32)
-    return pos
+        out[2 * k] = np.uint32(lanes[k] & _MASK32)
+        out[2 * k + 1] = np.uint32(lanes[k] >> _SHIFT32)
+    out[8:8 + n_ans] = stack[pos:]
+    W = out.shape[0]
+    for j in range(n_raw):
+        out[W - 1 - j] = raw_words[j]
+    return out
 
 
 @njit(cache=True)
-def decode_kernel(words, ids, slot2tok, packed, base, nbits, out):
-    """Decode into ``out`` (int32 [C, N]).  Returns an ``ERR_*`` code (0 on success)."""
+def _raw_bits(words, last, bitpos, nb):
+    """nb (<= 29) raw bits at bit offset bitpos of the raw stream (word j at index last - j)."""
+    j = bitpos >> 5
+    lo = np.uint64(words[max(last - j, 0)])
+    hi = np.uint64(words[max(last - j - 1, 0)])
+    return (((hi << _SHIFT32) | lo) >> np.uint64(bitpos & 31)) & ((_U64_1 << nb) - _U64_1)
+
+
+@njit(cache=True)
+def _finish(x0, x1, x2, x3, pos, bitpos, words):
+    W = words.shape[0]
+    n_raw = (bitpos + 31) >> 5
+    if pos + n_raw > W:
+        return ERR_EOF
+    if x0 != _L or x1 != _L or x2 != _L or x3 != _L:
+        return ERR_FINAL
+    if pos + n_raw != W:
+        return ERR_TRAILING
+    if bitpos & 31:   # padding bits of the last raw word must be zero
+        if (np.uint64(words[W - n_raw]) >> np.uint64(bitpos & 31)) != _U64_0:
+            return ERR_TRAILING
+    return ERR_OK
+
+
+@njit(cache=True)
+def _value(base_t, r):
+    ui = np.int64(base_t | (r << _U64_1))
+    return np.int32((ui >> 1) ^ (-(ui & 1)))
+
+
+@njit(cache=True)
+def decode_kernel(words, ids, coarse, cumhi, packed, base, nbits, out):
+    """Decode a payload (uint32 words) into ``out`` (int32 [C, N]); returns an ``ERR_*`` code.
+
+    ``coarse[m, s >> COARSE_SHIFT]`` is the token holding slot ``s & ~(2**COARSE_SHIFT - 1)``
+    and ``cumhi[m, t] = cum + freq`` (the exact token is found by stepping forward).  All reads
+    are clamped to the buffer, and running past the end (or the two streams overlapping) is
+    detected at the end; no input can make it read or write out of bounds, or loop forever.
+    """
     C, N = out.shape
     W = words.shape[0]
     if W < 8:
@@ -228,97 +293,124 @@ def decode_kernel(words, ids, slot2tok, packed, base, nbits, out):
     x3 = np.uint64(words[6]) | (np.uint64(words[7]) << _SHIFT32)
     if x0 < _L or x1 < _L or x2 < _L or x3 < _L:
         return ERR_BAD_STATE
-    pos = 8
+    last = W - 1
+    pos = 8          # next rANS word (forward from the front)
+    bitpos = 0       # raw bits consumed (raw words stored backwards from the end)
+    cs = _COARSE_SHIFT_U
+    if N % 4 == 0:
+        # lock-step: 4 consecutive symbols of one channel are lanes 0..3
+        for c in range(C):
+            m = ids[c]
+            tab = coarse[m]
+            hi = cumhi[m]
+            pk = packed[m]
+            for g in range(N // 4):
+                s0 = x0 & _SLOT_MASK
+                s1 = x1 & _SLOT_MASK
+                s2 = x2 & _SLOT_MASK
+                s3 = x3 & _SLOT_MASK
+                t0 = tab[s0 >> cs]
+                t1 = tab[s1 >> cs]
+                t2 = tab[s2 >> cs]
+                t3 = tab[s3 >> cs]
+                while s0 >= hi[t0]:
+                    t0 += 1
+                while s1 >= hi[t1]:
+                    t1 += 1
+                while s2 >= hi[t2]:
+                    t2 += 1
+                while s3 >= hi[t3]:
+                    t3 += 1
+                p0 = np.uint64(pk[t0])
+                p1 = np.uint64(pk[t1])
+                p2 = np.uint64(pk[t2])
+                p3 = np.uint64(pk[t3])
+                x0 = (p0 >> _U16) * (x0 >> _PREC_U) + s0 - (p0 & _MASK16)
+                x1 = (p1 >> _U16) * (x1 >> _PREC_U) + s1 - (p1 & _MASK16)
+                x2 = (p2 >> _U16) * (x2 >> _PREC_U) + s2 - (p2 & _MASK16)
+                x3 = (p3 >> _U16) * (x3 >> _PREC_U) + s3 - (p3 & _MASK16)
+                # renormalise in lane order (branch-free; reads clamped, overrun checked at end)
+                w = np.uint64(words[min(pos, last)])
+                r = x0 < _L
+                x0 = ((x0 << _SHIFT32) | w) if r else x0
+                pos += r
+                w = np.uint64(words[min(pos, last)])
+                r = x1 < _L
+                x1 = ((x1 << _SHIFT32) | w) if r else x1
+                pos += r
+                w = np.uint64(words[min(pos, last)])
+                r = x2 < _L
+                x2 = ((x2 << _SHIFT32) | w) if r else x2
+                pos += r
+                w = np.uint64(words[min(pos, last)])
+                r = x3 < _L
+                x3 = ((x3 << _SHIFT32) | w) if r else x3
+                pos += r
+                # raw bits and output values
+                k = 4 * g
+                nb = nbits[t0]
+                out[c, k] = _value(base[t0], _raw_bits(words, last, bitpos, nb))
+                bitpos += np.int64(nb)
+                nb = nbits[t1]
+                out[c, k + 1] = _value(base[t1], _raw_bits(words, last, bitpos, nb))
+                bitpos += np.int64(nb)
+                nb = nbits[t2]
+                out[c, k + 2] = _value(base[t2], _raw_bits(words, last, bitpos, nb))
+                bitpos += np.int64(nb)
+                nb = nbits[t3]
+                out[c, k + 3] = _value(base[t3], _raw_bits(words, last, bitpos, nb))
+                bitpos += np.int64(nb)
+        return _finish(x0, x1, x2, x3, pos, bitpos, words)
+    # general N: one symbol at a time, states rotating so that x0 is lane i mod 4
     for c in range(C):
         m = ids[c]
-        tab = slot2tok[m]
+        tab = coarse[m]
+        hi = cumhi[m]
         pk = packed[m]
         for t in range(N):
             x = x0
-            slot = x & _SLOT_MASK
-            tok = tab[slot]
+            s = x & _SLOT_MASK
+            tok = tab[s >> cs]
+            while s >= hi[tok]:
+                tok += 1
             p = np.uint64(pk[tok])
-            x = (p >> _U16) * (x >> _PREC_U) + slot - (p & _MASK16)
-            if x < _L:
-                if pos >= W:
-                    return ERR_EOF
-                x = (x << _SHIFT32) | np.uint64(words[pos])
-                pos += 1
-            u = base[tok]
+            x = (p >> _U16) * (x >> _PREC_U) + s - (p & _MASK16)
+            w = np.uint64(words[min(pos, last)])
+            r = x < _L
+            x = ((x << _SHIFT32) | w) if r else x
+            pos += r
             nb = nbits[tok]
-            if nb != _U64_0:
-                u |= (x & ((_U64_1 << nb) - _U64_1)) << _U64_1
-                x >>= nb
-                if x < _L:
-                    if pos >= W:
-                        return ERR_EOF
-                    x = (x << _SHIFT32) | np.uint64(words[pos])
-                    pos += 1
-            ui = np.int64(u)
-            out[c, t] = np.int32((ui >> 1) ^ (-(ui & 1)))
+            out[c, t] = _value(base[tok], _raw_bits(words, last, bitpos, nb))
+            bitpos += np.int64(nb)
             x0 = x1
             x1 = x2
             x2 = x3
             x3 = x
-    if x0 != _L or x1 != _L or x2 != _L or x3 != _L:
-        return ERR_FINAL
-    if pos != W:
-        return ERR_TRAILING
-    return ERR_OK
+    return _finish(x0, x1, x2, x3, pos, bitpos, words)
 
 
 @njit(cache=True)
-def pack_raw_bits(q):
-    """Raw bits of all symbols of q (row-major), packed LSB-first into bytes (constriction path)."""
-    flat = q.ravel()
-    n = flat.size
-    total = 0
-    for i in range(n):
-        tok, nb, raw = _tokenize(flat[i])
-        total += nb
-    out = np.zeros((total + 7) // 8, dtype=np.uint8)
-    acc = np.uint64(0)
-    fill = 0
-    o = 0
-    for i in range(n):
-        tok, nb, raw = _tokenize(flat[i])
-        if nb > 0:
-            acc |= np.uint64(raw) << np.uint64(fill)
-            fill += nb
-            while fill >= 8:
-                out[o] = np.uint8(acc & np.uint64(0xFF))
-                o += 1
-                acc >>= np.uint64(8)
-                fill -= 8
-    if fill > 0:
-        out[o] = np.uint8(acc & np.uint64(0xFF))
-    return out
-
-
-@njit(cache=True)
-def detokenize_with_raw(toks, rawbytes, base, nbits, out_flat):
-    """Inverse of tokenize + pack_raw_bits.  Returns ERR_OK, ERR_EOF or ERR_TRAILING."""
+def detokenize(toks, raw_words, base, nbits, out_flat):
+    """Tokens + raw words (forward order) -> values (constriction path).  Returns ERR_*."""
     n = toks.size
-    nbytes = rawbytes.size
-    acc = np.uint64(0)
-    fill = 0
-    ipos = 0
+    RW = raw_words.size
+    acc = _U64_0
+    fill = _U64_0
+    rpos = 0
     for i in range(n):
         tok = toks[i]
-        u = base[tok]
-        nb = np.int64(nbits[tok])
-        if nb > 0:
-            while fill < nb:
-                if ipos >= nbytes:
-                    return ERR_EOF
-                acc |= np.uint64(rawbytes[ipos]) << np.uint64(fill)
-                ipos += 1
-                fill += 8
-            u |= (acc & ((_U64_1 << np.uint64(nb)) - _U64_1)) << _U64_1
-            acc >>= np.uint64(nb)
-            fill -= nb
+        nb = nbits[tok]
+        if fill < nb:
+            if rpos >= RW:
+                return ERR_EOF
+            acc |= np.uint64(raw_words[rpos]) << fill
+            fill += _SHIFT32
+            rpos += 1
+        u = base[tok] | ((acc & ((_U64_1 << nb) - _U64_1)) << _U64_1)
+        acc >>= nb
+        fill -= nb
         ui = np.int64(u)
         out_flat[i] = np.int32((ui >> 1) ^ (-(ui & 1)))
-    if ipos != nbytes or acc != _U64_0:
+    if rpos != RW or acc != _U64_0:
         return ERR_TRAILING
     return ERR_OK
