@@ -88,6 +88,7 @@ N_TOKENS: int = rans.N_TOKENS
 N_MODELS: int = int(_load_tables().freq.shape[0])
 CODERS = ("rans4", "constriction")
 _MAX_SYMBOLS = 1 << 32
+_MAX_SYMBOLS_PER_BYTE = 2048
 _FX = 1 << 16
 
 
@@ -218,6 +219,10 @@ def decode(buf, model_ids: np.ndarray, shape: tuple[int, int], coder: str = "ran
         raw = _payload_words(buf)
     except (TypeError, ValueError) as e:
         raise FormatError(f"payload is not a byte buffer: {e}") from None
+    if C * N > _MAX_SYMBOLS_PER_BYTE * (raw.size + 32):
+        # every symbol costs >= log2(2**15 / 32641) = 0.0056 bit in any model, so a payload
+        # this short cannot hold C*N symbols; refuse before allocating the output
+        raise FormatError(f"payload of {raw.size} bytes is too short for shape {shape!r}")
     if C * N == 0:
         if raw.size:
             raise FormatError("non-empty payload for an empty object")
