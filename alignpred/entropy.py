@@ -6,8 +6,8 @@ ids are chosen once per tensor (:func:`choose_models`) and stored by the caller.
 self-delimiting given ``(C, N, model_ids)`` and its exact byte length, which the container
 records; a payload with bytes left over is invalid.
 
-Bitstream of coder ``rans4`` (coder id 0, the default)
--------------------------------------------------------
+Bitstream of coder ``rans4`` (``CODER_IDS['rans4'] == 0``, the default)
+-----------------------------------------------------------------------
 
 *Token mapping.*  Each value ``v`` (int32) is mapped to ``u = zigzag(v)``
 (``v >= 0 -> 2v``, ``v < 0 -> -2v - 1``; ``0 <= u < 2**32``).  If ``u < 16`` the token is
@@ -18,7 +18,8 @@ are ``r = (u >> 1) & (2**nb - 1)``.  Inverse: ``u = base(token) | (r << 1)`` wit
 128 tokens; every int32 value is representable (the largest raw field is 29 bits).
 
 *Models.*  Model ``m`` gives integer frequencies ``f[m, t] >= 1`` with
-``sum_t f[m, t] = 2**PREC`` (``PREC = 15``) and ``c[m, t] = sum_{t' < t} f[m, t']``.
+``sum_t f[m, t] = 2**PREC`` (``PREC = 15``) and ``c[m, t] = sum_{t' < t} f[m, t']``;
+``0 <= m < N_MODELS`` (240 in ``kvz-models-v1``; model 0 is the "all zeros" table).
 
 *Symbol order.*  Symbols are numbered ``i = c*N + t`` (channel-major).  Symbol ``i`` uses rANS
 lane ``i mod 4`` and the model of its channel.
@@ -52,10 +53,12 @@ give ``r``.  The payload is valid iff all four final states equal ``2**32``,
 word is missing or left over) and the padding bits of the last raw word are zero.  Any
 violation raises :class:`~alignpred.errors.FormatError`.  An object with ``C*N == 0`` has an
 empty payload.  Overhead per object: 32 bytes of states plus < 4 bytes of rANS and raw-word
-padding.
+padding.  Raw bits carry no redundancy (a flipped raw bit decodes to another value), so
+integrity is the container's checksum's job; the checks above catch truncation, extension
+and nearly all damage to the states and rANS words.
 
-Bitstream of coder ``constriction`` (coder id 1)
-------------------------------------------------
+Bitstream of coder ``constriction`` (``CODER_IDS['constriction'] == 1``)
+-----------------------------------------------------------------------
 
 Same token mapping and frequency tables.  Payload: ``K`` (uint32 LE), then the ``K`` words
 (uint32 LE) of ``constriction.stream.stack.AnsCoder.get_compressed()`` after
@@ -80,13 +83,14 @@ from alignpred import rans
 from alignpred.errors import EncodeError, FormatError
 from alignpred.tables import MODEL_SET_ID, load as _load_tables
 
-__all__ = ["MODEL_SET_ID", "PREC", "N_MODELS", "N_TOKENS", "CODERS", "choose_models",
+__all__ = ["MODEL_SET_ID", "PREC", "N_MODELS", "N_TOKENS", "CODERS", "CODER_IDS", "choose_models",
            "estimate_bits", "encode", "decode", "histogram"]
 
 PREC: int = rans.PREC
 N_TOKENS: int = rans.N_TOKENS
 N_MODELS: int = int(_load_tables().freq.shape[0])
 CODERS = ("rans4", "constriction")
+CODER_IDS = {"rans4": 0, "constriction": 1}   # suggested ids for file headers
 _MAX_SYMBOLS = 1 << 32
 _MAX_SYMBOLS_PER_BYTE = 2048
 _FX = 1 << 16
@@ -195,7 +199,8 @@ def _payload_words(buf) -> np.ndarray:
     return raw
 
 
-def decode(buf, model_ids: np.ndarray, shape: tuple[int, int], coder: str = "rans4") -> np.ndarray:
+def decode(buf, model_ids: np.ndarray, shape: tuple[int, int],
+           coder: str = "rans4") -> np.ndarray:
     """Inverse of :func:`encode`: returns int32 [C, N]; raises FormatError on any inconsistency.
 
     >>> ids = np.array([3, 200], np.uint8)

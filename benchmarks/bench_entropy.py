@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -147,7 +146,7 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out} (numba threads irrelevant; cpu_count={os.cpu_count()})")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
