@@ -31,7 +31,7 @@ END_MAGIC = b"KVZ-END\x00"
 MAJOR, MINOR = 1, 0
 KNOWN_FLAGS = 0
 PREAMBLE = struct.Struct("<8sHHI")
-FOOTER = struct.Struct("<QQQQIII4x8s")
+FOOTER = struct.Struct("<QQQQIIII8s")
 ENTRY = struct.Struct("<IIIIQQdddI4x")
 PREAMBLE_SIZE = PREAMBLE.size
 FOOTER_SIZE = FOOTER.size
@@ -77,14 +77,14 @@ class Footer:
         body = struct.pack("<QQQQII", self.header_offset, self.header_length, self.index_offset,
                            self.index_length, self.header_crc, self.index_crc)
         return FOOTER.pack(self.header_offset, self.header_length, self.index_offset, self.index_length,
-                           self.header_crc, self.index_crc, crc32(body), END_MAGIC)
+                           self.header_crc, self.index_crc, crc32(body), 0, END_MAGIC)
 
     @classmethod
     def unpack(cls, b, file_size: int) -> "Footer":
         if len(b) != FOOTER_SIZE:
             raise TruncatedError("file is truncated (no footer)")
-        ho, hl, io, il, hc, ic, fc, end = FOOTER.unpack(b)
-        if end != END_MAGIC:
+        ho, hl, io, il, hc, ic, fc, reserved, end = FOOTER.unpack(b)
+        if end != END_MAGIC or reserved != 0:
             raise TruncatedError("file is truncated or damaged (footer end marker missing)")
         if crc32(bytes(b[:40])) != fc:
             raise ChecksumError("footer checksum mismatch")
