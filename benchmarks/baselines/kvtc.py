@@ -10,7 +10,8 @@ DP/greedy allocation under a distortion target; D_i(b) is measured exactly for b
 (``alloc="tensor"``) or globally (``alloc="pooled"``, the equal-slope optimum across the whole cache).
 
 Entropy coding, whichever is smaller per tensor (one flag byte): (a) rANS (``constriction``, a core kvz dependency)
-with a quantized-Gaussian model per kept component, its mean and std stored as fp16 (32 bits per kept component),
+with a discretised-Gaussian model per kept component (a categorical table over its 2^b codes; per-symbol quantized
+Gaussian above 12 bits), its mean and std stored as fp16 (32 bits per kept component),
 or (b) zstd level 9 over the codes laid out component-major (uint8 for b <= 8, uint16 above). On KV-like data (a)
 is ~5 % smaller. Stored per tensor besides: one byte per component for b, fp16 zero + fp16 step per kept one.
 """
@@ -52,32 +53,50 @@ def _zstd_decode(blob, side, b_k, T):
     return qk
 
 
-def _ans_params(mu, sd, b_k, T):
+CAT_MAX_B = 12  # up to this width a per-component categorical table (fast decode); wider: per-symbol Gaussian
+
+
+def _gauss_tables(mu, sd, b_k):
+    """Per kept component, the discretised Gaussian over 0..2^b-1 as a constriction Categorical model."""
     import constriction
-    hi = int(2 ** int(b_k.max()) - 1) if len(b_k) else 1
-    model = constriction.stream.model.QuantizedGaussian(0, hi)
-    return model, np.repeat(mu.astype(np.float64), T), np.repeat(sd.astype(np.float64), T)
+    from scipy.special import ndtr
+    models = []
+    for m, s, b in zip(mu.astype(np.float64), sd.astype(np.float64), b_k):
+        edges = np.arange((1 << int(b)) + 1) - 0.5
+        p = np.diff(ndtr((edges - m) / s)) + 1e-9
+        models.append(constriction.stream.model.Categorical(p / p.sum(), perfect=False))
+    return models
 
 
 def _ans_encode(qk, b_k):
-    """rANS (constriction) with a quantized Gaussian per component; mean and std stored as fp16 (32 bits each comp)."""
+    """rANS (constriction) with a quantized Gaussian per component; mean and std stored as fp16 (32 bits per comp)."""
     import constriction
     T = qk.shape[1]
     mu = qk.mean(1).astype(np.float16)
     sd = np.maximum(qk.std(1), 0.3).astype(np.float16)
-    model, mus, sds = _ans_params(mu, sd, b_k, T)
     coder = constriction.stream.stack.AnsCoder()
-    coder.encode_reverse(qk.ravel().astype(np.int32), model, mus, sds)
-    words = coder.get_compressed()
-    return "ans", words.astype("<u4").tobytes(), 32 * len(b_k), (mu, sd)
+    q32 = qk.astype(np.int32)
+    if int(b_k.max()) <= CAT_MAX_B:
+        models = _gauss_tables(mu, sd, b_k)
+        for i in reversed(range(len(b_k))):
+            coder.encode_reverse(q32[i], models[i])
+    else:
+        model = constriction.stream.model.QuantizedGaussian(0, int(2 ** int(b_k.max()) - 1))
+        coder.encode_reverse(q32.ravel(), model, np.repeat(mu.astype(np.float64), T),
+                             np.repeat(sd.astype(np.float64), T))
+    return "ans", coder.get_compressed().astype("<u4").tobytes(), 32 * len(b_k), (mu, sd)
 
 
 def _ans_decode(raw, side, b_k, T):
     import constriction
     mu, sd = side
-    model, mus, sds = _ans_params(mu, sd, b_k, T)
     coder = constriction.stream.stack.AnsCoder(np.frombuffer(raw, "<u4").copy())
-    return coder.decode(model, mus, sds).reshape(len(b_k), T).astype(np.float64)
+    if int(b_k.max()) <= CAT_MAX_B:
+        models = _gauss_tables(mu, sd, b_k)
+        return np.stack([coder.decode(m, T) for m in models]).astype(np.float64)
+    model = constriction.stream.model.QuantizedGaussian(0, int(2 ** int(b_k.max()) - 1))
+    q = coder.decode(model, np.repeat(mu.astype(np.float64), T), np.repeat(sd.astype(np.float64), T))
+    return q.reshape(len(b_k), T).astype(np.float64)
 
 
 def _f16_down(v):
