@@ -24,7 +24,8 @@ def load_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
     for name, info in header.items():
         dt = np.dtype(_DT[info["dtype"]])
         a, b = info["data_offsets"]
-        out[name] = np.frombuffer(raw, dtype=dt, count=(b - a) // dt.itemsize, offset=base + a).reshape(info["shape"]).copy()
+        arr = np.frombuffer(raw, dtype=dt, count=(b - a) // dt.itemsize, offset=base + a)
+        out[name] = arr.reshape(info["shape"]).copy()
     return out, meta
 
 
