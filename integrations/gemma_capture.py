@@ -54,6 +54,8 @@ __all__ = [
     "capture",
     "cache_metadata",
     "write_cache_atomic",
+    "safetensors_chunks",
+    "layer_info",
 ]
 
 
@@ -255,21 +257,69 @@ def cache_metadata(layer_types, rope_theta, token_ids, source: str, *, model: st
     }
 
 
-def write_cache_atomic(tensors: dict, metadata: dict[str, str], out_path: str | os.PathLike) -> Path:
-    """Write ``tensors`` (torch) with ``metadata`` to ``out_path`` atomically."""
-    from safetensors.torch import save_file
+_ST_DTYPE = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
 
+
+def _layer_order(name: str):
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
+        return (0, int(parts[1]), parts[2] != "key", name)
+    return (1, 0, False, name)
+
+
+def safetensors_chunks(tensors: dict, metadata: dict[str, str]):
+    """Serialize torch tensors as safetensors, deterministically.
+
+    Tensors are laid out in layer order (``layers.0.key``, ``layers.0.value``,
+    ``layers.1.key``, ...) and metadata keys are sorted, so the same cache
+    always gives the same bytes (``safetensors.torch.save_file`` orders the
+    metadata by hash and varies from run to run).  Yields byte chunks.
+    """
+    import struct
+
+    import torch
+
+    names = sorted(tensors, key=_layer_order)
+    header: dict[str, Any] = {"__metadata__": {str(k): str(metadata[k]) for k in sorted(metadata)}}
+    offset = 0
+    blobs = []
+    for name in names:
+        t = tensors[name].detach().to("cpu").contiguous()
+        dt = str(t.dtype).removeprefix("torch.")
+        if dt not in _ST_DTYPE:
+            raise ValueError(f"{name}: unsupported dtype {t.dtype}")
+        code, size = _ST_DTYPE[dt]
+        nbytes = t.numel() * size
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        blobs.append(t)
+    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hb += b" " * (-len(hb) % 8)
+    yield struct.pack("<Q", len(hb)) + hb
+    if sys.byteorder != "little":  # safetensors data is little-endian
+        raise NotImplementedError("writing safetensors on a big-endian machine")
+    for t in blobs:
+        yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def write_cache_atomic(tensors: dict, metadata: dict[str, str], out_path: str | os.PathLike) -> Path:
+    """Write ``tensors`` (torch) with ``metadata`` to ``out_path`` atomically.
+
+    Temp file in the same directory, fsync, ``os.replace``, fsync of the
+    directory; the file gets the usual mode (0666 & ~umask).
+    """
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        with os.fdopen(fd, "wb") as f:
+            for chunk in safetensors_chunks(tensors, metadata):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600
         os.replace(tmp, out)
     except BaseException:
         try:

@@ -40,7 +40,8 @@ def test_cli_missing_file(tmp_path):
     assert res.exit_code == 1 and "no such file" in res.output
 
 
-def test_metadata_and_atomic_write(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_metadata_and_atomic_write(tmp_path, dtype):
     torch = pytest.importorskip("torch")
     pytest.importorskip("safetensors")
     from safetensors import safe_open
@@ -51,12 +52,24 @@ def test_metadata_and_atomic_write(tmp_path):
     assert all(isinstance(v, str) for v in meta.values())
     assert meta["format"] == "kvz-cache" and meta["kvz.version"] == "1" and meta["rope_pairing"] == "half"
     assert json.loads(meta["rope_theta"]) == [10000.0, 1000000.0]
-    t = {f"layers.{i}.{k}": torch.randn(1, 3, 8).to(torch.bfloat16) for i in range(2) for k in ("key", "value")}
+    g = torch.Generator().manual_seed(0)
+    t = {f"layers.{i}.{k}": torch.randn(1, 3, 8, generator=g).to(getattr(torch, dtype))
+         for i in (1, 0) for k in ("value", "key")}
     out = write_cache_atomic(t, meta, tmp_path / "sub" / "c.safetensors")
     assert [p.name for p in out.parent.iterdir()] == ["c.safetensors"]  # no temp file left behind
+    assert out.stat().st_mode & 0o044  # not the 0600 of mkstemp
     with safe_open(str(out), "pt") as f:
         assert f.metadata() == meta
-        assert torch.equal(f.get_tensor("layers.1.value"), t["layers.1.value"])
+        assert sorted(f.keys()) == sorted(t)
+        for k in t:
+            assert torch.equal(f.get_tensor(k), t[k]) and f.get_tensor(k).dtype == t[k].dtype
+    again = write_cache_atomic(dict(reversed(list(t.items()))), dict(reversed(list(meta.items()))),
+                               tmp_path / "again.safetensors")
+    assert again.read_bytes() == out.read_bytes()  # deterministic bytes
+    from alignpred import load_cache
+
+    c = load_cache(str(out))
+    assert (c.layout.num_layers, c.layout.n_tokens, c.layout.head_dim, c.layout.dtype) == (2, 3, 8, dtype)
 
 
 # --------------------------------------------------------------------------- real model
