@@ -43,17 +43,19 @@ def default_groups(layout, size: int = 3) -> list[list[str]]:
     return groups
 
 
-def default_sources(layout) -> dict[str, list[str]]:
+def default_sources(layout, depth: int = 1) -> dict[str, list[str]]:
     """Prediction sources per block, all decoded before it: ``K_l <- K_{l-1}, V_{l-1}`` (+ earlier
-    heads of layer l); ``V_l <- V_{l-1}, K_l, K_{l-1}`` (+ earlier heads)."""
+    heads of layer l); ``V_l <- V_{l-1}, K_l, K_{l-1}`` (+ earlier heads). ``depth=2`` adds
+    ``K_{l-2}, V_{l-2}`` to both."""
     src = {}
     for i in range(layout.num_layers):
         for h in range(layout.kv_heads):
+            back = [block_name(kind, i - j, h) for j in range(2, depth + 1) if i - j >= 0 for kind in ("K", "V")]
             k = [block_name("K", i - 1, h), block_name("V", i - 1, h)] if i else []
-            k += [block_name("K", i, g) for g in range(h)]
+            k += [block_name("K", i, g) for g in range(h)] + back
             v = ([block_name("V", i - 1, h)] if i else []) + [block_name("K", i, h)]
             v += [block_name("K", i - 1, h)] if i else []
-            v += [block_name("V", i, g) for g in range(h)]
+            v += [block_name("V", i, g) for g in range(h)] + back
             src[block_name("K", i, h)] = k
             src[block_name("V", i, h)] = v
     return src
@@ -76,7 +78,7 @@ def block_samples(cache, block: str, max_tokens: int | None = None) -> np.ndarra
     return x
 
 
-def fit_bank(caches, *, rank: int | None = 64, eps_cal: float = 0.03, group_size: int = 3,
+def fit_bank(caches, *, rank: int | None = None, eps_cal: float = 0.03, group_size: int = 3, depth: int = 1,
              groups: list[list[str]] | None = None, rotations: bool = True, maps: bool = True,
              max_tokens: int | None = None, dtype: str = "float16", progress=None) -> Bank:
     """Fit a :class:`Bank` on one or more caches of the same layout."""
@@ -87,7 +89,7 @@ def fit_bank(caches, *, rank: int | None = 64, eps_cal: float = 0.03, group_size
         if c.layout.signature() != lay.signature():
             raise BankMismatchError(f"calibration caches disagree: {c.layout.signature()} vs {lay.signature()}")
     groups = groups or default_groups(lay, group_size)
-    sources = default_sources(lay) if maps else {}
+    sources = default_sources(lay, depth) if maps else {}
     blocks = [block_name(k, i, h) for i in range(lay.num_layers) for k in ("K", "V") for h in range(lay.kv_heads)]
     store = np.dtype(dtype)
     samples = {}

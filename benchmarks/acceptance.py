@@ -1,0 +1,99 @@
+"""Acceptance measurement of the codec on held-out real caches: bpv at a target error (tensor and
+pooled scopes), the error measured independently by decoding, and encode/decode speed.
+
+    python -m benchmarks.acceptance [CACHES...] --bank samples/gemma3-270m/bank.h5 --eps 0.0267 \
+        --out out/acceptance.json
+
+With no CACHES it uses ``data/eval/*.safetensors`` if present (2,048-token captures of held-out
+documents, made by ``python samples/make_samples.py --what eval``), else the bundled samples.
+Threads are pinned (``--threads``, default 1) before numpy loads, so speeds are per core.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _pin_threads(n: int) -> None:
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[k] = str(n)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("caches", nargs="*")
+    ap.add_argument("--bank", default=None)
+    ap.add_argument("--eps", type=float, default=0.0267)
+    ap.add_argument("--scopes", default="tensor,pooled")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="out/acceptance.json")
+    a = ap.parse_args(argv)
+    _pin_threads(a.threads)
+
+    import glob
+    import json
+    import platform
+    import tempfile
+    import time
+
+    import numpy as np
+
+    from alignpred import Bank, KvzReader, compress, load_cache
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    caches = a.caches or sorted(glob.glob(os.path.join(root, "data", "eval", "*.safetensors"))) or \
+        sorted(glob.glob(os.path.join(root, "samples", "gemma3-270m", "*.safetensors")))
+    bank = Bank.load(a.bank or os.path.join(root, "samples", "gemma3-270m", "bank.h5"))
+    rows = []
+    tmp = tempfile.mkdtemp()
+    for path in caches:
+        c = load_cache(path)
+        for scope in a.scopes.split(","):
+            out = os.path.join(tmp, "x.kvz")
+            t0 = time.perf_counter()
+            info = compress(c, out, eps=a.eps, bank=bank, scope=scope)
+            enc = time.perf_counter() - t0
+            r = KvzReader(out, bank=bank)
+            r.decoder  # resolve the bank outside the timed region
+            t0 = time.perf_counter()
+            dec = r.read()
+            dect = time.perf_counter() - t0
+            num = den = 0.0
+            worst = 0.0
+            for name, x in c.tensors.items():
+                x64 = np.asarray(x, np.float64)
+                e = float(np.sum((np.asarray(dec[name], np.float64) - x64) ** 2))
+                n = float(np.sum(x64 * x64))
+                num, den = num + e, den + n
+                worst = max(worst, (e / n) ** 0.5 if n else 0.0)
+            row = {"cache": os.path.basename(path), "tokens": c.layout.n_tokens, "scope": scope, "eps": a.eps,
+                   "bpv": info.bpv, "file_bytes": info.file_bytes, "n_values": info.n_values,
+                   "nrmse_pooled": (num / den) ** 0.5, "nrmse_max_tensor": worst,
+                   "encode_s": enc, "decode_s": dect, "encode_mvps": info.n_values / enc / 1e6,
+                   "decode_mvps": info.n_values / dect / 1e6}
+            rows.append(row)
+            print(f"{row['cache']:<32} {scope:<7} {row['bpv']:6.3f} bpv  pooled {row['nrmse_pooled']:.5f}  "
+                  f"worst tensor {row['nrmse_max_tensor']:.5f}  enc {row['encode_mvps']:5.1f} Mv/s  "
+                  f"dec {row['decode_mvps']:5.1f} Mv/s", flush=True)
+    summary = {}
+    for scope in a.scopes.split(","):
+        sel = [r for r in rows if r["scope"] == scope]
+        summary[scope] = {"bpv_mean": float(np.mean([r["bpv"] for r in sel])),
+                          "bpv_max": float(np.max([r["bpv"] for r in sel])),
+                          "nrmse_max_tensor": float(np.max([r["nrmse_max_tensor"] for r in sel])),
+                          "nrmse_pooled_max": float(np.max([r["nrmse_pooled"] for r in sel])),
+                          "decode_mvps_min": float(np.min([r["decode_mvps"] for r in sel]))}
+        print(f"{scope}: mean {summary[scope]['bpv_mean']:.3f} bpv, max {summary[scope]['bpv_max']:.3f} bpv")
+    res = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
+                       "python": sys.version.split()[0]},
+           "bank_id": bank.id, "rows": rows, "summary": summary}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"wrote {a.out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The kvz command line: round trip, JSON output, one-line errors without tracebacks."""
+import json
+
+import numpy as np
+from click.testing import CliRunner
+
+from alignpred import load_cache, save_cache
+from cli.main import cli
+from conftest import synthetic_cache
+
+
+def _write_cache(tmp_path, **kw):
+    c = synthetic_cache(**kw)
+    p = tmp_path / "c.safetensors"
+    save_cache(p, c.tensors, c.metadata)
+    return p, c
+
+
+def test_calibrate_compress_inspect_decompress(tmp_path):
+    p, c = _write_cache(tmp_path, T=300, roped=True)
+    r = CliRunner()
+    res = r.invoke(cli, ["calibrate", str(p), "-o", str(tmp_path / "b.h5"), "--rank", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["bank_id"].startswith("sha256:")
+    res = r.invoke(cli, ["compress", str(p), "-o", str(tmp_path / "c.kvz"), "--eps", "0.02", "--bank",
+                         str(tmp_path / "b.h5"), "--json", "-q"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    assert info["nrmse_max_tensor"] <= 0.02 and 0 < info["bpv"] < 16
+    res = r.invoke(cli, ["inspect", str(tmp_path / "c.kvz"), "--json"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.output)
+    assert abs(s["bpv"] - info["bpv"]) < 1e-9 and s["bank_embedded"] is False
+    assert set(s["tensors"]) == set(c.tensors)
+    res = r.invoke(cli, ["decompress", str(tmp_path / "c.kvz"), "-o", str(tmp_path / "d.safetensors"), "--bank",
+                         str(tmp_path / "b.h5"), "-q"])
+    assert res.exit_code == 0, res.output
+    d = load_cache(tmp_path / "d.safetensors")
+    for n, x in c.tensors.items():
+        y = d.tensors[n]
+        assert y.shape == x.shape and y.dtype == x.dtype
+        x64 = x.astype(np.float64)
+        assert np.linalg.norm(y.astype(np.float64) - x64) / np.linalg.norm(x64) <= 0.02
+    assert d.metadata.get("keys_roped") == "true"
+
+
+def test_self_calibrate_embeds_bank(tmp_path):
+    p, _ = _write_cache(tmp_path, T=100)
+    r = CliRunner()
+    res = r.invoke(cli, ["compress", str(p), "-o", str(tmp_path / "c.kvz"), "--self-calibrate", "--rank", "4",
+                         "--json", "-q"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["bank_bytes"] > 0
+    res = r.invoke(cli, ["decompress", str(tmp_path / "c.kvz"), "-o", str(tmp_path / "d.safetensors"), "-q"])
+    assert res.exit_code == 0, res.output
+
+
+def test_errors_are_one_line(tmp_path):
+    r = CliRunner()
+    cases = [["compress", str(tmp_path / "missing.safetensors"), "--self-calibrate"],
+             ["inspect", str(tmp_path / "missing.kvz")]]
+    junk = tmp_path / "junk.kvz"
+    junk.write_bytes(b"\x00" * 100)
+    cases.append(["inspect", str(junk)])
+    cases.append(["decompress", str(junk)])
+    for args in cases:
+        res = r.invoke(cli, args)
+        assert res.exit_code != 0
+        assert "Traceback" not in res.output
+        lines = [ln for ln in res.output.strip().splitlines() if ln]
+        assert len(lines) == 1 and lines[0].startswith("Error:"), res.output
