@@ -163,6 +163,7 @@ class KvzReader:
     # -- validation ------------------------------------------------------------------------------
     def _validate(self) -> None:
         h = self.header
+        check_header(h)
         try:
             self.layout = CacheLayout.from_json(h["layout"])
             codec = h["codec"]
@@ -205,8 +206,10 @@ class KvzReader:
                 raise FormatError(f"index entry {k} does not follow the layout order")
             if e.flags & ~OBJ_ZERO or bool(e.flags & OBJ_ZERO) != (e.length == 0):
                 raise FormatError(f"index entry {k} has invalid flags")
-            if not (e.flags & OBJ_ZERO) and not (math.isfinite(e.delta) and e.delta > 0):
+            if not _f32(e.delta) or (not (e.flags & OBJ_ZERO) and not e.delta > 0):
                 raise FormatError(f"index entry {k} has an invalid quantisation step")
+            if not (_nonneg(e.sq_err) and _nonneg(e.sq_norm)):
+                raise FormatError(f"index entry {k} has invalid error statistics")
             if e.offset != prev_end:
                 raise FormatError(f"index entry {k}: payloads must be contiguous")
             prev_end = e.offset + e.length
@@ -226,7 +229,12 @@ class KvzReader:
             raw = self._buf[a:a + n]
             if crc32(raw) != int(emb["crc32"]):
                 raise ChecksumError(f"{self.path}: embedded bank checksum mismatch")
-            bank = Bank.from_bytes(raw)
+            try:
+                bank = Bank.from_bytes(raw)
+            except KvzError as e:
+                raise BankMismatchError(f"{self.path}: embedded bank is invalid: {e}") from None
+            except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as e:
+                raise BankMismatchError(f"{self.path}: embedded bank is malformed ({type(e).__name__})") from None
         else:
             arg = self._bank_arg
             if arg is None:
@@ -238,6 +246,10 @@ class KvzReader:
         if bank.id != self.bank_id:
             raise BankMismatchError(f"{self.path} needs bank {self.bank_id[:19]}… but got {bank.id[:19]}…; "
                                     "use the bank the file was compressed with")
+        try:
+            check_bank(bank, self.layout, self.config)
+        except BankMismatchError as e:
+            raise BankMismatchError(f"{self.path}: {e}") from None
         return bank
 
     @property
@@ -272,9 +284,14 @@ class KvzReader:
             raise KvzError(f"layers must be in 1..{lay.num_layers}")
         S = self.config.object_size
         j0, j1 = a // S, -(-b // S)
-        for name, arr in self.decoder.decode_range(self.metas, self._fetch, j0, j1, n_layers):
-            arr = arr[:, a - j0 * S:b - j0 * S]
-            yield name, (arr[None] if lay.batch_dim else arr)
+        try:
+            for name, arr in self.decoder.decode_range(self.metas, self._fetch, j0, j1, n_layers):
+                arr = arr[:, a - j0 * S:b - j0 * S]
+                yield name, (arr[None] if lay.batch_dim else arr)
+        except FormatError as e:
+            if self.path in str(e):
+                raise
+            raise type(e)(f"{self.path}: {e}") from None
 
     def read(self, tokens=None, layers=None) -> dict:
         """Decode into ``{name: array}`` (the source's names, shapes and dtype)."""
@@ -303,6 +320,129 @@ class KvzReader:
                 "file_bytes": size, "n_values": lay.n_values, "bpv": 8.0 * size / lay.n_values,
                 "nrmse_pooled": math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0,
                 "nrmse_max_tensor": max(v["nrmse"] for v in per.values()), "tensors": per}
+
+
+# -- header validation (every key the reader uses, with its JSON type and range) ---------------
+MAX_LAYERS = 1 << 12
+MAX_CHANNELS = 1 << 16      # kv_heads * head_dim
+MAX_TOKENS = 1 << 40
+_LAYOUT_TYPES = {"num_layers": "int", "kv_heads": "int", "head_dim": "int", "n_tokens": "int", "dtype": "str",
+                 "batch_dim": "bool", "model": "str", "layer_types": "list", "rope_theta": "list",
+                 "rope_pairing": "str", "keys_roped": "bool", "position_offset": "int", "extra": "dict"}
+_CONFIG_TYPES = {"object_size": "int", "align": "bool", "inter_map": "bool", "blend": "bool", "intra": "bool",
+                 "channel_choice": "bool", "rope_undo": "bool", "lambdas": "list"}
+_PY = {"int": int, "str": str, "bool": bool, "list": list, "dict": dict}
+
+
+def _f32(v) -> bool:
+    """A finite number exactly representable as float32."""
+    return isinstance(v, float) and math.isfinite(v) and float(np.float32(v)) == v
+
+
+def _nonneg(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and v >= 0
+
+
+def _typed(d, types: dict, where: str, required=()) -> None:
+    if not isinstance(d, dict):
+        raise FormatError(f"header field {where} must be an object")
+    for k in required:
+        if k not in d:
+            raise FormatError(f"header field {where}.{k} is missing")
+    for k, t in types.items():
+        if k in d and type(d[k]) is not _PY[t]:
+            raise FormatError(f"header field {where}.{k} must be a JSON {t}")
+
+
+def check_header(h: dict) -> None:
+    """Type and range checks of every header key the decoder relies on (FormatError)."""
+    for k in ("layout", "codec", "bank", "tensors"):
+        if k not in h:
+            raise FormatError(f"header field {k} is missing")
+    lay = h["layout"]
+    _typed(lay, _LAYOUT_TYPES, "layout", ("num_layers", "kv_heads", "head_dim", "n_tokens", "dtype"))
+    if not (1 <= lay["num_layers"] <= MAX_LAYERS and lay["kv_heads"] >= 1 and lay["head_dim"] >= 1
+            and lay["kv_heads"] * lay["head_dim"] <= MAX_CHANNELS and 1 <= lay["n_tokens"] <= MAX_TOKENS):
+        raise FormatError("layout sizes out of range")
+    if not all(isinstance(x, str) for x in lay.get("layer_types", [])):
+        raise FormatError("layout.layer_types must be strings")
+    if not all(type(x) in (int, float) and math.isfinite(x) and x > 0 for x in lay.get("rope_theta", [])):
+        raise FormatError("layout.rope_theta must be positive numbers")
+    if not 0 <= lay.get("position_offset", 0) <= MAX_TOKENS:
+        raise FormatError("layout.position_offset out of range")
+    codec = h["codec"]
+    _typed(codec, {"name": "str", "eps_scope": "str", "config": "dict", "entropy": "dict"}, "codec",
+           ("name", "config", "eps", "eps_scope", "entropy"))
+    if not (type(codec["eps"]) in (int, float) and 0 < codec["eps"] < 1):
+        raise FormatError("codec.eps must be a number in (0, 1)")
+    if codec["eps_scope"] not in SCOPES:
+        raise FormatError(f"unknown eps scope {codec['eps_scope']!r}")
+    cfg = codec["config"]
+    _typed(cfg, _CONFIG_TYPES, "codec.config")
+    lam = cfg.get("lambdas", [0.5, 0.75])
+    if len(lam) != 2 or not all(type(x) in (int, float) and math.isfinite(x) for x in lam):
+        raise FormatError("codec.config.lambdas must be two numbers")
+    bank = h["bank"]
+    _typed(bank, {"id": "str", "model": "str"}, "bank", ("id",))
+    emb = bank.get("embedded")
+    if emb is not None:
+        _typed(emb, {"offset": "int", "length": "int", "crc32": "int"}, "bank.embedded", ("offset", "length", "crc32"))
+        if emb["length"] < 0 or not 0 <= emb["crc32"] < 1 << 32:
+            raise FormatError("bank.embedded out of range")
+    if not isinstance(h["tensors"], list):
+        raise FormatError("header field tensors must be a list")
+    for t in h["tensors"]:
+        _typed(t, {"name": "str", "modes": "str", "models": "str"}, "tensors[]", ("name", "modes", "models"))
+        if not (_nonneg(t.get("sq_err", 0.0)) and _nonneg(t.get("sq_norm", 0.0))):
+            raise FormatError(f"header tensor {t['name']!r} has invalid error statistics")
+    if not isinstance(h.get("source_metadata", {}), dict):
+        raise FormatError("header field source_metadata must be an object")
+
+
+def check_bank(bank: Bank, layout: CacheLayout, config: CodecConfig) -> None:
+    """The bank has every array the decoder will use, with the right shapes, finite values, and
+    prediction sources that are decoded before the block they predict (BankMismatchError)."""
+    from .bank import block_name
+
+    d = layout.head_dim
+    order = [block_name(k, i, h) for i in range(layout.num_layers) for k in ("K", "V") for h in range(layout.kv_heads)]
+    pos = {b: k for k, b in enumerate(order)}
+    cfgd = bank.config
+    if not isinstance(cfgd, dict) or not isinstance(cfgd.get("sources", {}), dict) \
+            or not isinstance(cfgd.get("groups", []), list) \
+            or not all(isinstance(g, list) and all(isinstance(s, str) for s in g) for g in cfgd.get("groups", [])):
+        raise BankMismatchError("bank config is malformed")
+    for a in bank.arrays.values():
+        if not np.isfinite(np.asarray(a, np.float32)).all():
+            raise BankMismatchError("bank holds non-finite values")
+    for b in order:
+        m = bank.arrays.get(f"mean/{b}")
+        if m is None or tuple(m.shape) != (d,):
+            raise BankMismatchError(f"bank mean of {b} is missing or has the wrong shape")
+        if config.align:
+            r = bank.arrays.get(f"rot/{b}")
+            if r is None or tuple(r.shape) != (d, d):
+                raise BankMismatchError(f"bank rotation of {b} is missing or has the wrong shape")
+        src = cfgd.get("sources", {}).get(b, [])
+        if not isinstance(src, list) or not all(isinstance(s, str) and pos.get(s, len(order)) < pos[b] for s in src):
+            raise BankMismatchError(f"bank sources of {b} are not blocks decoded before it")
+        if config.inter_map and src:
+            w, u, vt = (bank.arrays.get(f"map/{b}/{n}") for n in ("W", "U", "Vt"))
+            din = d * len(src)
+            if w is not None:
+                ok = tuple(w.shape) == (din, d)
+            elif u is not None:
+                ok = vt is not None and u.ndim == 2 and u.shape[0] == din and tuple(vt.shape) == (u.shape[1], d)
+            else:
+                ok = True
+            if not ok:
+                raise BankMismatchError(f"bank map of {b} has the wrong shape")
+        if config.blend:
+            for g in cfgd.get("groups", []):
+                if b in g:
+                    if not all(isinstance(s, str) and pos.get(s, len(order)) < pos[b] for s in g[:g.index(b)]):
+                        raise BankMismatchError(f"bank group of {b} is not in decode order")
+                    break
 
 
 def parsed_header_offset(buf) -> int:

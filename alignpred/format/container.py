@@ -118,12 +118,29 @@ class IndexEntry:
 def parse_index(b) -> list[IndexEntry]:
     if len(b) % ENTRY_SIZE:
         raise FormatError("index length is not a multiple of the entry size")
+    if len(b) // ENTRY_SIZE > MAX_OBJECTS:
+        raise FormatError("index has too many entries")
     return [IndexEntry(*ENTRY.unpack_from(b, k)) for k in range(0, len(b), ENTRY_SIZE)]
 
 
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _no_duplicates(pairs):
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise ValueError("duplicate key")
+    return d
+
+
 def parse_header(b) -> dict:
+    """Strict RFC 8259 JSON (no NaN/Infinity, no duplicate keys) holding an object with
+    ``"format": "kvz"``."""
+    if len(b) > MAX_HEADER:
+        raise FormatError("header is too large")
     try:
-        h = json.loads(bytes(b).decode("utf-8"))
+        h = json.loads(bytes(b).decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise FormatError("header is not valid UTF-8 JSON") from None
     if not isinstance(h, dict) or h.get("format") != "kvz":
@@ -159,7 +176,9 @@ def parse_container(buf) -> Parsed:
     if crc32(ib) != ft.index_crc:
         raise ChecksumError("index checksum mismatch")
     header = parse_header(hb)
-    if header.get("version") != [major, minor] or header.get("flags") != flags:
+    v, hf = header.get("version"), header.get("flags")
+    if not (isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v) and type(hf) is int
+            and v == [major, minor] and hf == flags):
         raise FormatError("preamble version/flags disagree with the header")
     index = parse_index(ib)
     for e in index:
