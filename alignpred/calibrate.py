@@ -136,6 +136,6 @@ def fit_map(srcs: list[np.ndarray], y: np.ndarray, eps_cal: float, rank: int | N
     if rank is None or rank >= min(s.shape[1], d):
         return w, None
     fitted = s @ w
-    _, _, vt = np.linalg.svd(fitted, full_matrices=False)
-    v = vt[:rank].T
+    _, vecs = np.linalg.eigh(fitted.T @ fitted)  # right singular vectors of the fitted values
+    v = vecs[:, ::-1][:, :rank]
     return w @ v, v.T

@@ -114,7 +114,7 @@ def build_plans(layout, bank, config: CodecConfig) -> dict[str, BlockPlan]:
             if config.align:
                 # refs arrive aligned (z_u = x_u A_u): undo each source rotation, then rotate into A_b.
                 d = p.mean.shape[0]
-                u = np.concatenate([plans[s].rot @ u[k * d:(k + 1) * d] for k, s in enumerate(p.map_sources)], axis=0)
+                u = np.concatenate([plans[s].rot.T @ u[k * d:(k + 1) * d] for k, s in enumerate(p.map_sources)], axis=0)
                 if vt is None:
                     u = u @ p.rot
                 else:
