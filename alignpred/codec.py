@@ -162,11 +162,7 @@ class Encoder(_Chain):
                 m = self._choose(plan, z, local, delta_rows)
             else:
                 m = modes[h]
-            base = np.zeros_like(z)
-            for bb in np.unique(m & 3):
-                if bb != ZERO:
-                    cols = (m & 3) == bb
-                    base[:, cols] = plan.base(int(bb), local)[:, cols]
+            base = plan.predict(m, local, z.shape[0])
             q, wh = quantize_residual(z - base, delta_rows, (m & INTERP) != 0, S)
             rec = base + wh
             if zero_rows.any():
@@ -403,11 +399,7 @@ class Decoder(_Chain):
                 b = block_name(kind, layer, h)
                 plan = self.plans[b]
                 m = meta.modes[h]
-                base = np.zeros((q.shape[0], d), np.float32)
-                for bb in np.unique(m & 3):
-                    if bb != ZERO:
-                        cols = (m & 3) == bb
-                        base[:, cols] = plan.base(int(bb), recon)[:, cols]
+                base = plan.predict(m, recon, q.shape[0])
                 rec = base + dequantize_residual(q[:, h * d:(h + 1) * d], delta_rows, (m & INTERP) != 0, S)
                 if zr.any():
                     rec[zr] = self.to_frame(np.zeros((int(zr.sum()), d), np.float32), layer, kind, h,

@@ -88,6 +88,20 @@ class BlockPlan:
             return (self.blend_lambda / len(refs)) * sum(refs)
         return None
 
+    def predict(self, modes: np.ndarray, recon: dict, n: int) -> np.ndarray:
+        """Base prediction ``[n, d]`` with each channel's own mode (float32)."""
+        bases = modes & 3
+        kinds = np.unique(bases).tolist()
+        if kinds == [ZERO]:
+            return np.zeros((n, self.mean.shape[0]), np.float32)
+        if len(kinds) == 1:
+            return np.asarray(self.base(kinds[0], recon), np.float32)
+        out = np.zeros((n, self.mean.shape[0]), np.float32)
+        for bb in kinds:
+            if bb != ZERO:
+                out = np.where(bases == bb, self.base(bb, recon), out)
+        return out.astype(np.float32, copy=False)
+
 
 def build_plans(layout, bank, config: CodecConfig) -> dict[str, BlockPlan]:
     """Per-block prediction plans from the bank (maps moved into the coding frame)."""
