@@ -1,8 +1,12 @@
 """File I/O: the only module that opens files. Atomic writes and read-only memory maps.
 
-Writes go to a temporary file in the destination's directory, are fsynced, then renamed over
-the destination, so a reader sees the old file or the new one, never a torn one; on any error
-(disk full included) the temporary file is removed and the old file is left untouched.
+Writes go to a temporary file ``.<name>.<random>.tmp`` in the destination's directory, are
+fsynced, then renamed over the destination, so a reader sees the old file or the new one, never
+a torn one; on any error (disk full included) the temporary file is removed and the old file is
+left untouched. A writer that is killed (SIGKILL, power loss) cannot clean up and leaves its
+temporary file; the writer holds an exclusive ``flock`` on it while writing, and the next write
+to the same destination removes temporary files that no live writer holds (stale ones).
+The new file gets the mode of the file it replaces, or ``0666 & ~umask``.
 
 >>> import tempfile, os
 >>> d = tempfile.mkdtemp()
@@ -22,23 +26,76 @@ from typing import Iterable
 from .errors import KvzError
 
 
+def _lock(fd) -> bool:
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except (ImportError, OSError):
+        return False
+
+
+def _mode_for(path) -> int:
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def remove_stale_temps(path, min_age: float = 2.0) -> list[str]:
+    """Remove ``.<name>.*.tmp`` files next to ``path`` left by killed writers: older than
+    ``min_age`` seconds and not locked by a live writer. Returns the removed paths."""
+    import glob
+    import time
+
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    removed = []
+    pattern = os.path.join(glob.escape(d), "." + glob.escape(os.path.basename(path)) + ".*.tmp")
+    for tmp in glob.glob(pattern):
+        try:
+            if time.time() - os.lstat(tmp).st_mtime < min_age:
+                continue
+            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            if _lock(fd):
+                os.unlink(tmp)
+                removed.append(tmp)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
 def atomic_write(path, chunks: Iterable[bytes]) -> int:
     """Write the byte chunks to ``path`` atomically; returns the number of bytes written."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path)) or "."
+    remove_stale_temps(path)
+    mode = _mode_for(path)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
     n = 0
     try:
+        # the lock marks the temp file as live; it is held until the file has been renamed
         with os.fdopen(fd, "wb") as f:
+            _lock(f.fileno())
+            os.fchmod(f.fileno(), mode)
             for c in chunks:
                 f.write(c)
                 n += len(c)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException as e:
         try:
-            os.unlink(tmp)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         except OSError:
             pass
         if isinstance(e, OSError):

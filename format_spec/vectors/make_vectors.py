@@ -1,0 +1,212 @@
+"""Regenerate the .kvz golden vectors (deterministic; run from anywhere)::
+
+    python format_spec/vectors/make_vectors.py
+
+For each vector ``NAME`` it writes, next to this script:
+
+* ``NAME.input.safetensors`` — the cache that was compressed;
+* ``NAME.kvz``               — the compressed file;
+* ``NAME.bank.h5``           — the bank, unless it is embedded in the .kvz;
+* ``NAME.expected.npz``      — the expected decode (no pickle): ``dec.<tensor>`` holds the
+  decoded tensor's raw bits (uint16 for bf16/f16, uint32 for f32; dtype in the manifest) and
+  ``q.<tensor index>.<object index>`` the object's decoded symbols, int32 ``[C, n]``
+  (C = kv_heads * head_dim channels, n tokens) — these are bit-exact by the spec;
+
+and ``manifest.json`` with the parameters, sha256 of every file, the parse facts a reader must
+find, the comparison tolerance and the platform the files were made on. ``tests/test_golden.py``
+and ``tests/test_spec_reader.py`` check them.
+
+The real-data vector slices ``samples/gemma3-270m/english-prose.safetensors`` (layers 0-2, the
+first 300 tokens); it is skipped (and the old files kept) when that sample is absent.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+
+from alignpred import Bank, Cache, CodecConfig, KvzReader, compress, fit_bank, load_cache, save_cache  # noqa: E402
+from alignpred import entropy  # noqa: E402
+from alignpred.layout import infer_layout  # noqa: E402
+
+REAL_SAMPLE = os.path.join(ROOT, "samples", "gemma3-270m", "english-prose.safetensors")
+# Decoded values may differ across machines in the last float32 ulps (BLAS); per element
+# |got - want| <= ULPS * spacing(dtype, |want|) + REL_RMS * rms(want tensor).  See kvz.md §9.
+TOLERANCE = {"ulps": 1, "rel_rms": 1e-4}
+
+
+def _synthetic(n_layers, heads, T, d, dtype, seed, meta_extra=None, zero=None, batch=False):
+    """Correlated synthetic cache (layers share a latent signal), keys marked RoPE'd."""
+    rng = np.random.default_rng(seed)
+    latent = rng.standard_normal((heads, T, d)).cumsum(axis=1) * 0.1 + rng.standard_normal((heads, T, d))
+    t = {}
+    for i in range(n_layers):
+        mk = rng.standard_normal((d, d)) / np.sqrt(d)
+        mv = rng.standard_normal((d, d)) / np.sqrt(d)
+        t[f"layers.{i}.key"] = latent @ mk + 0.3 * rng.standard_normal((heads, T, d)) + 0.5
+        t[f"layers.{i}.value"] = latent @ mv + 0.3 * rng.standard_normal((heads, T, d))
+    if zero:
+        name, a, b = zero
+        t[name][:, a:b] = 0.0
+    out = {}
+    for k, v in t.items():
+        v = v.astype(np.float32).astype(dtype)
+        out[k] = v[None] if batch else v
+    meta = {"model": "synthetic", "keys_roped": "true", "rope_theta": json.dumps([1e4] * n_layers),
+            "rope_pairing": "half", "position_offset": "0",
+            "layer_types": json.dumps(["sliding_attention"] * n_layers)}
+    meta.update(meta_extra or {})
+    return out, meta
+
+
+def _real():
+    c = load_cache(REAL_SAMPLE)
+    t = {f"layers.{i}.{k}": np.ascontiguousarray(c.tensors[f"layers.{i}.{k}"][..., :300, :])
+         for i in range(3) for k in ("key", "value")}
+    meta = dict(c.metadata)
+    for key in ("layer_types", "rope_theta"):
+        meta[key] = json.dumps(json.loads(meta[key])[:3])
+    if "token_ids" in meta:
+        meta["token_ids"] = json.dumps(json.loads(meta["token_ids"])[:300])
+    meta["source"] = "english-prose.safetensors, layers 0-2, tokens 0-299"
+    return t, meta
+
+
+def vectors():
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    return [
+        # name, (tensors, meta) factory, compress kwargs, bank kwargs
+        ("synth-tensor-extbank",
+         lambda: _synthetic(2, 2, 300, 16, np.float16, 1),
+         dict(eps=0.05, scope="tensor", config=CodecConfig(), embed_bank=False),
+         dict(rank=4, rotations=False)),
+        ("synth-object-embedded-align",
+         lambda: _synthetic(3, 1, 300, 16, bf16, 2,
+                            {"rope_pairing": "interleaved", "position_offset": "7"},
+                            zero=("layers.1.value", 256, 300)),
+         dict(eps=0.08, scope="object", config=CodecConfig(align=True, blend=True), embed_bank=True),
+         dict(rank=None, rotations=True)),
+        ("synth-pooled-f32-batch",
+         lambda: _synthetic(2, 1, 100, 8, np.float32, 3, batch=True),
+         dict(eps=0.02, scope="pooled", config=CodecConfig(object_size=32), embed_bank=True),
+         dict(rank=2, rotations=False)),
+        ("gemma3-270m-3l-300t",
+         _real,
+         dict(eps=0.03, scope="tensor", config=CodecConfig(), embed_bank=True),
+         dict(rank=8, rotations=False)),
+    ]
+
+
+def platform_fingerprint() -> dict:
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        blas = f"{blas.get('name')} {blas.get('version')}"
+    except Exception:  # noqa: BLE001 - informative only
+        blas = "unknown"
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"machine": platform.machine(), "system": platform.system(), "cpu": cpu, "numpy": np.__version__,
+            "blas": blas}
+
+
+def _sha(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def make(name, factory, ckw, bkw, out=HERE) -> dict:
+    tensors, meta = factory()
+    p_in = os.path.join(out, f"{name}.input.safetensors")
+    save_cache(p_in, tensors, meta)
+    cache = load_cache(p_in)
+    bank = fit_bank([cache], **bkw)
+    p_kvz = os.path.join(out, f"{name}.kvz")
+    files = {"input": os.path.basename(p_in), "kvz": os.path.basename(p_kvz)}
+    if not ckw["embed_bank"]:
+        p_bank = os.path.join(out, f"{name}.bank.h5")
+        bank.save(p_bank)
+        bank = Bank.load(p_bank)
+        files["bank"] = os.path.basename(p_bank)
+    info = compress(cache, p_kvz, bank=bank, **ckw)
+    r = KvzReader(p_kvz, bank=None if ckw["embed_bank"] else bank)
+    dec = r.read()
+    arrays = {f"dec.{k}": _bits(np.ascontiguousarray(v)) for k, v in dec.items()}
+    buf = open(p_kvz, "rb").read()
+    n_obj = r.n_objects_per_tensor
+    for k, e in enumerate(r.index):
+        ti, j = divmod(k, n_obj)
+        C = r.layout.kv_heads * r.layout.head_dim
+        if e.length:
+            q = entropy.decode(buf[e.offset:e.offset + e.length], r.metas[ti].models, (C, e.n_tokens))
+        else:
+            q = np.zeros((C, e.n_tokens), np.int32)
+        arrays[f"q.{ti}.{j}"] = q
+    p_exp = os.path.join(out, f"{name}.expected.npz")
+    np.savez_compressed(p_exp, **arrays)
+    files["expected"] = os.path.basename(p_exp)
+    ft = r.version
+    from alignpred.format.container import parse_container
+
+    parsed = parse_container(buf)
+    return {
+        "name": name,
+        "files": files,
+        "sha256": {k: _sha(os.path.join(out, v)) for k, v in files.items()},
+        "compress": {"eps": ckw["eps"], "eps_scope": ckw["scope"], "config": ckw["config"].to_json(),
+                     "embed_bank": ckw["embed_bank"]},
+        "bank_fit": {k: v for k, v in bkw.items()},
+        "bank_id": bank.id,
+        "dtype": r.layout.dtype,
+        "facts": {"version": list(ft), "file_bytes": len(buf), "header_offset": parsed.footer.header_offset,
+                  "header_length": parsed.footer.header_length, "index_offset": parsed.footer.index_offset,
+                  "n_entries": len(parsed.index), "objects_per_tensor": n_obj,
+                  "zero_objects": sum(1 for e in parsed.index if e.flags & 1),
+                  "bank_embedded": bool(ckw["embed_bank"]), "bpv": info.bpv,
+                  "nrmse_pooled": info.nrmse_pooled, "nrmse_max_tensor": info.nrmse_max_tensor},
+    }
+
+
+def main(argv=None) -> int:
+    manifest_path = os.path.join(HERE, "manifest.json")
+    old = {}
+    if os.path.exists(manifest_path):
+        old = {v["name"]: v for v in json.load(open(manifest_path))["vectors"]}
+    out = []
+    for name, factory, ckw, bkw in vectors():
+        if factory is _real and not os.path.exists(REAL_SAMPLE):
+            print(f"{name}: {REAL_SAMPLE} missing; keeping the old files", file=sys.stderr)
+            if name in old:
+                out.append(old[name])
+            continue
+        v = make(name, factory, ckw, bkw)
+        print(f"{name}: {v['facts']['file_bytes']} bytes, bpv {v['facts']['bpv']:.3f}, "
+              f"nrmse {v['facts']['nrmse_pooled']:.4f}")
+        out.append(v)
+    man = {"about": "kvz golden vectors; regenerate with: python format_spec/vectors/make_vectors.py",
+           "tolerance": TOLERANCE, "platform": platform_fingerprint(), "vectors": out}
+    with open(manifest_path, "w") as f:
+        json.dump(man, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Golden vectors (format_spec/vectors): decode, symbol streams, and re-encoding.
+
+Regenerate with ``python format_spec/vectors/make_vectors.py`` after a deliberate bitstream
+change (and bump the format version if old files no longer decode).
+
+* the stored symbols of every object are bit-exact: the library's entropy decoder must give
+  them and its encoder must give back the payload bytes (integer-only, machine independent);
+* decoded tensors must be within the manifest's tolerance (float arithmetic, kvz.md §9);
+* re-encoding the input with the stored bank gives the identical file on the platform the
+  vectors were made on (elsewhere BLAS rounding may move a residual across a rounding
+  boundary, so only the error bound and the decode of the new file are checked).
+"""
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from alignpred import Bank, CodecConfig, KvzReader, compress, entropy, load_cache
+from alignpred.layout import numpy_dtype
+
+VEC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "format_spec", "vectors")
+MANIFEST = json.load(open(os.path.join(VEC, "manifest.json")))
+VECTORS = {v["name"]: v for v in MANIFEST["vectors"]}
+
+
+def vpath(v, key):
+    return os.path.join(VEC, v["files"][key])
+
+
+def bank_of(v):
+    return Bank.load(vpath(v, "bank")) if "bank" in v["files"] else None
+
+
+def expected(v):
+    with np.load(vpath(v, "expected"), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def from_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
+    return bits.view(numpy_dtype(dtype))
+
+
+def within_tolerance(got: np.ndarray, want: np.ndarray, tol=MANIFEST["tolerance"]) -> np.ndarray:
+    """Elementwise check of kvz.md §9: ``|got - want| <= ulps*spacing(|want|) + rel_rms*rms(want)``."""
+    g = got.astype(np.float64)
+    w = want.astype(np.float64)
+    rms = float(np.sqrt(np.mean(w * w))) if w.size else 0.0
+    spacing = np.spacing(np.abs(want).astype(want.dtype)).astype(np.float64)
+    return np.abs(g - w) <= tol["ulps"] * spacing + tol["rel_rms"] * rms
+
+
+def same_platform() -> bool:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_vectors", os.path.join(VEC, "make_vectors.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.platform_fingerprint() == MANIFEST["platform"]
+
+
+@pytest.fixture(params=sorted(VECTORS), scope="module")
+def vec(request):
+    return VECTORS[request.param]
+
+
+def test_vector_files_intact(vec):
+    for key, name in vec["files"].items():
+        with open(os.path.join(VEC, name), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == vec["sha256"][key], f"{name} changed; rerun make_vectors.py"
+
+
+def test_decode_matches_expected(vec):
+    r = KvzReader(vpath(vec, "kvz"), bank=bank_of(vec))
+    assert r.bank_id == vec["bank_id"]
+    exp = expected(vec)
+    out = r.read()
+    exact = total = 0
+    for name, arr in out.items():
+        want = from_bits(exp[f"dec.{name}"], vec["dtype"])
+        assert arr.shape == want.shape and arr.dtype == want.dtype
+        ok = within_tolerance(arr, want)
+        assert ok.all(), f"{name}: {int((~ok).sum())} values outside tolerance"
+        exact += int(np.sum(arr.view(want.dtype) == want) + np.sum(np.isnan(want)))
+        total += want.size
+    # on the generating machine the decode is bit-identical
+    if same_platform():
+        assert exact == total
+
+
+def test_partial_decode_matches(vec):
+    r = KvzReader(vpath(vec, "kvz"), bank=bank_of(vec))
+    exp = expected(vec)
+    n = r.layout.n_tokens
+    a, b = n // 3, n // 3 + 50
+    for name, arr in r.read(tokens=(a, b), layers=1).items():
+        want = from_bits(exp[f"dec.{name}"], vec["dtype"])[..., a:b, :]
+        assert within_tolerance(arr, want).all()
+
+
+def test_symbol_streams_bit_exact(vec):
+    """Symbols decoded from each payload equal the stored ones, and re-encoding them with the
+    header's model ids gives back the payload bytes."""
+    r = KvzReader(vpath(vec, "kvz"), bank=bank_of(vec))
+    exp = expected(vec)
+    raw = open(vpath(vec, "kvz"), "rb").read()
+    C = r.layout.kv_heads * r.layout.head_dim
+    for k, e in enumerate(r.index):
+        ti, j = divmod(k, r.n_objects_per_tensor)
+        q = exp[f"q.{ti}.{j}"]
+        payload = raw[e.offset:e.offset + e.length]
+        if e.flags & 1:
+            assert e.length == 0 and not q.any()
+            continue
+        assert np.array_equal(entropy.decode(payload, r.metas[ti].models, (C, e.n_tokens)), q)
+        assert entropy.encode(q, r.metas[ti].models) == payload
+
+
+def test_reencode(vec, tmp_path):
+    cache = load_cache(vpath(vec, "input"))
+    bank = bank_of(vec) or KvzReader(vpath(vec, "kvz"))._resolve_bank()
+    c = vec["compress"]
+    p = tmp_path / "re.kvz"
+    info = compress(cache, p, eps=c["eps"], scope=c["eps_scope"], bank=bank,
+                    config=CodecConfig.from_json(c["config"]), embed_bank=c["embed_bank"])
+    achieved = info.nrmse_pooled if c["eps_scope"] == "pooled" else info.nrmse_max_tensor
+    assert achieved <= c["eps"] * (1 + 1e-6)
+    new = p.read_bytes()
+    old = open(vpath(vec, "kvz"), "rb").read()
+    if same_platform():
+        assert new == old, ("re-encoding differs from the golden file on the platform that made it: the codec "
+                            "changed (rerun format_spec/vectors/make_vectors.py) or the encoder is not deterministic")
+    else:
+        out = KvzReader(p, bank=bank).read()
+        assert set(out) == set(cache.tensors)
