@@ -119,6 +119,9 @@ class Bank:
                     f.create_dataset(n, data=np.ascontiguousarray(self.arrays[n]))
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             os.replace(tmp, path)
         except BaseException as e:
             if os.path.exists(tmp):
