@@ -75,7 +75,7 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
     cache = load_cache(src)
     if self_calibrate == bool(bank):
         raise click.UsageError("give exactly one of --bank BANK or --self-calibrate")
-    b = fit_bank([cache], rank=rank or None) if self_calibrate else Bank.load(bank)
+    b = fit_bank([cache], rank=rank or None, rotations=align) if self_calibrate else Bank.load(bank)
     cfg = CodecConfig(align=align, inter_map=not no_map, blend=blend, intra=not no_intra,
                       channel_choice=not no_channel_choice, rope_undo=not no_rope_undo)
     n = 2 * cache.layout.num_layers
