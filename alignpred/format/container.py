@@ -120,6 +120,9 @@ def parse_index(b) -> list[IndexEntry]:
         raise FormatError("index length is not a multiple of the entry size")
     if len(b) // ENTRY_SIZE > MAX_OBJECTS:
         raise FormatError("index has too many entries")
+    b = bytes(b)
+    if any(b[k + ENTRY_SIZE - 4:k + ENTRY_SIZE] != b"\0\0\0\0" for k in range(0, len(b), ENTRY_SIZE)):
+        raise FormatError("index entry padding is not zero")
     return [IndexEntry(*ENTRY.unpack_from(b, k)) for k in range(0, len(b), ENTRY_SIZE)]
 
 
