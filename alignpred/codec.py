@@ -15,6 +15,7 @@ import numpy as np
 
 from . import entropy
 from .bank import block_name
+from .kernels import dequant_add
 from .errors import EncodeError, FormatError, NonFiniteError
 from .layout import numpy_dtype
 from .predict import (INTERP, ZERO, CodecConfig, build_plans, channel_entropy_bits, dequantize_residual,
@@ -378,38 +379,45 @@ class Decoder(_Chain):
         n_layers = lay.num_layers if n_layers is None else n_layers
         start = j0 * S
         recon: dict = {}
+        n_rows = min(lay.n_tokens, j1 * S) - start
         for ti, (layer, kind) in enumerate((i, k) for i in range(n_layers) for k in ("K", "V")):
             meta = metas[ti]
-            qs, deltas, zero_rows = [], [], []
+            q = np.zeros((H * d, n_rows), np.int32)  # channel-major, as the entropy coder emits it
+            delta_rows = np.empty(n_rows, np.float32)
+            zr = np.zeros(n_rows, bool)
             for j in range(j0, j1):
                 entry, payload = fetch(ti, j)
-                n = entry.n_tokens
+                a = j * S - start
+                b = a + entry.n_tokens
+                if entry.n_tokens != min(S, lay.n_tokens - j * S):
+                    raise FormatError(f"{meta.name}: object {j} has the wrong length")
+                delta_rows[a:b] = entry.delta
                 if entry.flags & OBJ_ZERO:
-                    qs.append(np.zeros((n, H * d), np.int32))
-                    zero_rows.append(np.ones(n, bool))
+                    zr[a:b] = True
+                    delta_rows[a:b] = 1.0
                 else:
-                    qs.append(entropy.decode(payload, meta.models, (H * d, n)).T)
-                    zero_rows.append(np.zeros(n, bool))
-                deltas.append(np.full(n, entry.delta, np.float32))
-            q = np.concatenate(qs, axis=0)
-            delta_rows = np.concatenate(deltas)
-            zr = np.concatenate(zero_rows)
-            out = np.empty((H, q.shape[0], d), self.out_dtype)
+                    q[:, a:b] = entropy.decode(payload, meta.models, (H * d, entry.n_tokens))
+            out = np.empty((H, n_rows, d), self.out_dtype)
             for h in range(H):
-                b = block_name(kind, layer, h)
-                plan = self.plans[b]
+                blk = block_name(kind, layer, h)
+                plan = self.plans[blk]
                 m = meta.modes[h]
-                base = plan.predict(m, recon, q.shape[0])
-                rec = base + dequantize_residual(q[:, h * d:(h + 1) * d], delta_rows, (m & INTERP) != 0, S)
+                base = plan.predict(m, recon, n_rows)
+                qh = q[h * d:(h + 1) * d]
+                interp = (m & INTERP) != 0
+                if interp.any():
+                    rec = base + dequantize_residual(qh.T, delta_rows, interp, S)
+                else:
+                    rec = dequant_add(base, qh, delta_rows)
                 if zr.any():
                     rec[zr] = self.to_frame(np.zeros((int(zr.sum()), d), np.float32), layer, kind, h,
                                             start)  # zero rows: frame image of 0 (RoPE(0) = 0)
-                recon[b] = rec
+                recon[blk] = rec
                 x = self.to_native(rec, layer, kind, h, start)
                 if zr.any():
                     x[zr] = 0
                 out[h] = x
-                self.prune(recon, b)
+                self.prune(recon, blk)
             yield meta.name, out
 
 
