@@ -85,8 +85,9 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
     res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "bpv": info.bpv,
            "file_bytes": info.file_bytes, "bank_bytes": info.bank_bytes, "n_values": info.n_values,
            "nrmse_pooled": info.nrmse_pooled, "nrmse_max_tensor": info.nrmse_max_tensor, "bank_id": b.id}
+    src_bits = 32 if cache.layout.dtype == "float32" else 16
     _emit(res, as_json, [f"{out}: {info.file_bytes} bytes, {info.bpv:.3f} bits/value "
-                         f"(fp16 {16 / info.bpv:.2f}x smaller)",
+                         f"({src_bits / info.bpv:.2f}x smaller than the {cache.layout.dtype} input)",
                          f"error: pooled NRMSE {info.nrmse_pooled:.5f}, worst tensor {info.nrmse_max_tensor:.5f} "
                          f"(eps {eps}, scope {eps_scope})"])
 
