@@ -289,7 +289,7 @@ class Encoder(_Chain):
         modes = None
         lo, hi, best = 0.0, np.inf, None
         for it in range(10):
-            err, modes_it = self._pass(tensors, delta, modes)
+            err, modes_it = self._pass(tensors, delta, modes, progress)
             modes = modes_it
             if err <= target:
                 lo = max(lo, delta)
@@ -304,12 +304,12 @@ class Encoder(_Chain):
             delta = nxt if err <= target else min(nxt, delta * 0.999)
         while best is None:
             delta *= 0.5
-            err, _ = self._pass(tensors, delta, modes)
+            err, _ = self._pass(tensors, delta, modes, progress)
             if err <= target:
                 best = delta
         return float(np.float32(best)), modes
 
-    def _pass(self, tensors, delta, modes):
+    def _pass(self, tensors, delta, modes, progress=None):
         lay = self.layout
         S = self.config.object_size
         n_obj = -(-lay.n_tokens // S)
@@ -322,6 +322,8 @@ class Encoder(_Chain):
             _, recs, m, err = self._code(layer, kind, x, zs, recon, np.full(n_obj, delta, np.float32), zero_obj,
                                          None if modes is None else modes[ti])
             out_modes.append(m)
+            if progress:
+                progress(1)
             total += float(err.sum())
             for h, rec in enumerate(recs):
                 b = block_name(kind, layer, h)

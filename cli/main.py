@@ -79,7 +79,8 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
     cfg = CodecConfig(align=align, inter_map=not no_map, blend=blend, intra=not no_intra,
                       channel_choice=not no_channel_choice, rope_undo=not no_rope_undo)
     n = 2 * cache.layout.num_layers
-    with _progress(n * (2 if eps_scope == "pooled" else 1), "compress", quiet) as bar:
+    # pooled: a few whole-cache passes of the step search, then the final one (count unknown)
+    with _progress(None if eps_scope == "pooled" else n, "compress", quiet) as bar:
         info = compress_cache(cache, out, eps=eps, bank=b, scope=eps_scope, config=cfg, embed_bank=self_calibrate,
                               progress=bar.update)
     res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "bpv": info.bpv,
