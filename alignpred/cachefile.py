@@ -35,6 +35,7 @@ class Cache:
     tensors: dict
     metadata: dict
     layout: CacheLayout
+    path: str | None = None  # the file it was loaded from (for error messages)
 
 
 def parse_safetensors(buf) -> tuple[dict, dict]:
@@ -59,7 +60,8 @@ def parse_safetensors(buf) -> tuple[dict, dict]:
             dt = _ST_DTYPES[info["dtype"]]
         except (KeyError, TypeError):
             raise LayoutError(f"tensor {name!r}: unsupported dtype {info.get('dtype') if isinstance(info, dict) else info!r}; "
-                              f"kvz reads {', '.join(_ST_DTYPES)}") from None
+                              f"kvz reads {', '.join(_ST_DTYPES)}: convert the cache first "
+                              "(e.g. tensor.to(torch.bfloat16) before saving)") from None
         shape = tuple(int(s) for s in info["shape"])
         a, b = (int(x) for x in info["data_offsets"])
         npdt = numpy_dtype(dt)
@@ -77,7 +79,7 @@ def load_cache(path) -> Cache:
         layout = infer_layout(tensors, meta)
     except LayoutError as e:
         raise LayoutError(f"{path}: {e}") from None
-    return Cache(tensors, meta, layout)
+    return Cache(tensors, meta, layout, path=str(path))
 
 
 def cache_bytes(tensors: dict, metadata: dict | None = None):

@@ -99,7 +99,10 @@ def atomic_write(path, chunks: Iterable[bytes]) -> int:
         except OSError:
             pass
         if isinstance(e, OSError):
-            raise KvzError(f"cannot write {path}: {e.strerror or e}") from e
+            import errno
+
+            hint = "; free some space or write elsewhere (-o)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            raise KvzError(f"cannot write {path}: {e.strerror or e}{hint}") from e
         raise
     try:
         dfd = os.open(d, os.O_RDONLY)

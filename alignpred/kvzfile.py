@@ -80,10 +80,21 @@ def compress(cache, out_path, *, eps: float, bank: Bank | None = None, scope: st
     ``bank`` is the calibration bank (auxiliary; referenced by id) — with ``embed_bank`` it is
     stored in the file and counted in bpv (``--self-calibrate``).
     """
+    src = getattr(cache, "path", None)
+    try:
+        return _compress(cache, out_path, eps=eps, bank=bank, scope=scope, config=config, embed_bank=embed_bank,
+                         progress=progress)
+    except KvzError as e:
+        if src and src not in str(e):
+            raise type(e)(f"{src}: {e}") from None
+        raise
+
+
+def _compress(cache, out_path, *, eps, bank, scope, config, embed_bank, progress) -> CompressInfo:
     config = config or CodecConfig()
     lay = cache.layout
     if lay.n_tokens == 0:
-        raise LayoutError("the cache has no tokens (empty cache); nothing to compress")
+        raise LayoutError("the cache has no tokens (empty cache); nothing to compress: capture at least one token")
     if bank is None:
         raise BankMismatchError("compression needs a calibration bank (--bank) or --self-calibrate")
     if scope not in SCOPES:

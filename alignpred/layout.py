@@ -21,7 +21,7 @@ import numpy as np
 from .errors import LayoutError
 
 DTYPES = ("bfloat16", "float16", "float32")
-_NAME = re.compile(r"^layers\.(\d+)\.(key|value)$")
+_NAME = re.compile(r"^layers\.(0|[1-9][0-9]*)\.(key|value)$")  # canonical: no leading zeros
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -123,7 +123,8 @@ def parse_name(name: str) -> tuple[int, str]:
     """``'layers.3.value' -> (3, 'value')``; LayoutError for anything else."""
     m = _NAME.match(name)
     if not m:
-        raise LayoutError(f"unknown tensor name {name!r}; expected layers.{{i}}.key / layers.{{i}}.value")
+        raise LayoutError(f"unknown tensor name {name!r}; expected layers.{{i}}.key / layers.{{i}}.value "
+                          "(i = 0, 1, ... without leading zeros): rename the tensors")
     return int(m.group(1)), m.group(2)
 
 
