@@ -406,11 +406,11 @@ class Decoder(_Chain):
                 m = meta.modes[h]
                 base = plan.predict(m, recon, n_rows)
                 qh = q[h * d:(h + 1) * d]
-                interp = (m & INTERP) != 0
-                if interp.any():
-                    rec = base + dequantize_residual(qh.T, delta_rows, interp, S)
-                else:
-                    rec = dequant_add(base, qh, delta_rows)
+                rec = dequant_add(base, qh, delta_rows)
+                interp = np.nonzero(m & INTERP)[0]
+                if len(interp):  # odd rows of interpolated channels depend on their even neighbours
+                    wh = dequantize_residual(qh[interp].T, delta_rows, np.ones(len(interp), bool), S)
+                    rec[:, interp] = base[:, interp] + wh
                 if zr.any():
                     rec[zr] = self.to_frame(np.zeros((int(zr.sum()), d), np.float32), layer, kind, h,
                                             start)  # zero rows: frame image of 0 (RoPE(0) = 0)

@@ -79,9 +79,12 @@ class BlockPlan:
         """Base prediction ``[n, d]`` for ``mode`` from reconstructed sources (coding frame)."""
         b = mode & 3
         if b == MAP:
-            src = [recon[s] if rows is None else recon[s][rows] for s in self.map_sources]
-            x = src[0] if len(src) == 1 else np.concatenate(src, axis=1)
-            y = x @ self.map_u
+            d_src = self.map_u.shape[0] // len(self.map_sources)
+            y = None
+            for k, s in enumerate(self.map_sources):  # sum of per-source products: no concatenated copy
+                x = recon[s] if rows is None else recon[s][rows]
+                t = x @ self.map_u[k * d_src:(k + 1) * d_src]
+                y = t if y is None else y + t
             return y if self.map_vt is None else y @ self.map_vt
         if b == BLEND:
             refs = [recon[s] if rows is None else recon[s][rows] for s in self.blend_refs]
