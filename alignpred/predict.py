@@ -74,18 +74,26 @@ class BlockPlan:
     map_vt: np.ndarray | None = None
     blend_refs: list | None = None
     blend_lambda: float = 0.0
+    object_size: int = 256
 
     def base(self, mode: int, recon: dict, rows: slice | None = None):
         """Base prediction ``[n, d]`` for ``mode`` from reconstructed sources (coding frame)."""
         b = mode & 3
         if b == MAP:
+            # Object by object, so every object's prediction comes from products of the same shape
+            # whether the whole tensor or a token range is decoded (BLAS may round differently
+            # for other shapes); per source, to avoid a concatenated copy.
             d_src = self.map_u.shape[0] // len(self.map_sources)
-            y = None
-            for k, s in enumerate(self.map_sources):  # sum of per-source products: no concatenated copy
-                x = recon[s] if rows is None else recon[s][rows]
-                t = x @ self.map_u[k * d_src:(k + 1) * d_src]
-                y = t if y is None else y + t
-            return y if self.map_vt is None else y @ self.map_vt
+            src = [recon[s] if rows is None else recon[s][rows] for s in self.map_sources]
+            n = src[0].shape[0]
+            out = np.empty((n, self.mean.shape[0]), np.float32)
+            for a in range(0, n, self.object_size):
+                y = None
+                for k, x in enumerate(src):
+                    t = x[a:a + self.object_size] @ self.map_u[k * d_src:(k + 1) * d_src]
+                    y = t if y is None else y + t
+                out[a:a + self.object_size] = y if self.map_vt is None else y @ self.map_vt
+            return out
         if b == BLEND:
             refs = [recon[s] if rows is None else recon[s][rows] for s in self.blend_refs]
             return (self.blend_lambda / len(refs)) * sum(refs)
@@ -123,7 +131,8 @@ def build_plans(layout, bank, config: CodecConfig) -> dict[str, BlockPlan]:
                 rot = bank.rotation(b) if config.align else None
                 if config.align and rot is None:
                     raise BankMismatchError("alignment requested but the bank has no rotations")
-                plans[b] = BlockPlan(block=b, mean=mean, rot=rot, map_sources=bank.sources(b))
+                plans[b] = BlockPlan(block=b, mean=mean, rot=rot, map_sources=bank.sources(b),
+                                     object_size=config.object_size)
     for b, p in plans.items():
         f = bank.map_factors(b) if config.inter_map else None
         if f is not None and p.map_sources:

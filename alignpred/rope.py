@@ -17,11 +17,27 @@ from functools import lru_cache
 import numpy as np
 
 
+_BLOCK = 256
+
+
+@lru_cache(maxsize=512)
+def _block(theta: float, d: int, k: int):
+    """cos/sin for positions ``[k*256, (k+1)*256)``: always computed in the same aligned blocks,
+    so a position's value never depends on which range was asked for."""
+    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    ang = np.arange(k * _BLOCK, (k + 1) * _BLOCK, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
 @lru_cache(maxsize=64)
 def _tables(theta: float, d: int, start: int, n: int):
-    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    ang = np.arange(start, start + n, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    ks = range(start // _BLOCK, (start + n - 1) // _BLOCK + 1) if n else range(0)
+    if not n:
+        return np.zeros((0, d // 2), np.float32), np.zeros((0, d // 2), np.float32)
+    cos = np.concatenate([_block(theta, d, k)[0] for k in ks])
+    sin = np.concatenate([_block(theta, d, k)[1] for k in ks])
+    off = start - ks[0] * _BLOCK
+    return cos[off:off + n], sin[off:off + n]
 
 
 def apply_rope(x: np.ndarray, positions, theta: float, inverse: bool = False,
