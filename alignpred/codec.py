@@ -53,7 +53,10 @@ class TensorMeta:
 class _Chain:
     """Shared state of encoder and decoder: plans, and reconstructed blocks still referenced."""
 
-    def __init__(self, layout, bank, config: CodecConfig):
+    def __init__(self, layout, bank, config: CodecConfig, coder: str = "rans4"):
+        if coder not in entropy.CODERS:
+            raise EncodeError(f"unknown entropy coder {coder!r}; use one of {', '.join(entropy.CODERS)}")
+        self.coder = coder
         self.layout = layout
         self.config = config
         self.plans = build_plans(layout, bank, config)
@@ -122,8 +125,8 @@ def _obj_sums(v: np.ndarray, size: int) -> np.ndarray:
 class Encoder(_Chain):
     """Encode a cache tensor by tensor. ``scope`` is ``object``, ``tensor`` or ``pooled``."""
 
-    def __init__(self, layout, bank, config: CodecConfig, eps: float, scope: str = "tensor"):
-        super().__init__(layout, bank, config)
+    def __init__(self, layout, bank, config: CodecConfig, eps: float, scope: str = "tensor", coder: str = "rans4"):
+        super().__init__(layout, bank, config, coder)
         if not (0.0 < eps < 1.0):
             raise EncodeError(f"eps must be in (0, 1), got {eps}")
         if scope not in SCOPES:
@@ -345,7 +348,7 @@ class Encoder(_Chain):
             if zero_obj[j]:
                 payload, flags = b"", OBJ_ZERO
             else:
-                payload, flags = entropy.encode(np.ascontiguousarray(q[a:b].T), models), 0
+                payload, flags = entropy.encode(np.ascontiguousarray(q[a:b].T), models, self.coder), 0
             meta.objects.append(EncodedObject(tensor=ti, token_start=a, n_tokens=b - a, flags=flags,
                                               delta=float(delta[j]), sq_err=float(err[j]),
                                               sq_norm=float(norm_obj[j]), payload=payload))
@@ -398,7 +401,7 @@ class Decoder(_Chain):
                     zr[a:b] = True
                     delta_rows[a:b] = 1.0
                 else:
-                    q[:, a:b] = entropy.decode(payload, meta.models, (H * d, entry.n_tokens))
+                    q[:, a:b] = entropy.decode(payload, meta.models, (H * d, entry.n_tokens), self.coder)
             out = np.empty((H, n_rows, d), self.out_dtype)
             for h in range(H):
                 blk = block_name(kind, layer, h)

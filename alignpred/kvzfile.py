@@ -36,7 +36,7 @@ from .io import atomic_write, map_file
 from .layout import CacheLayout
 from .predict import CodecConfig
 
-CODER = "rans4"
+CODER = "rans4"  # default entropy coder; "constriction" is the reference alternative
 
 
 def _b64(a: np.ndarray) -> str:
@@ -74,7 +74,8 @@ class CompressInfo:
 
 
 def compress(cache, out_path, *, eps: float, bank: Bank | None = None, scope: str = "tensor",
-             config: CodecConfig | None = None, embed_bank: bool = False, progress=None) -> CompressInfo:
+             config: CodecConfig | None = None, embed_bank: bool = False, coder: str = CODER,
+             progress=None) -> CompressInfo:
     """Compress ``cache`` (a :class:`~alignpred.cachefile.Cache`) into ``out_path`` atomically.
 
     ``bank`` is the calibration bank (auxiliary; referenced by id) — with ``embed_bank`` it is
@@ -99,7 +100,7 @@ def _compress(cache, out_path, *, eps, bank, scope, config, embed_bank, progress
         raise BankMismatchError("compression needs a calibration bank (--bank) or --self-calibrate")
     if scope not in SCOPES:
         raise KvzError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
-    enc = Encoder(lay, bank, config, eps, scope)
+    enc = Encoder(lay, bank, config, eps, scope, coder)
     bank_bytes = bank.to_bytes() if embed_bank else b""
     metas: list[TensorMeta] = []
     entries: list[IndexEntry] = []
@@ -125,7 +126,7 @@ def _compress(cache, out_path, *, eps, bank, scope, config, embed_bank, progress
             "format": "kvz", "version": [MAJOR, MINOR], "flags": 0, "created_by": f"kvz {__version__}",
             "layout": lay.to_json(),
             "codec": {"name": "alignpred", "config": config.to_json(), "eps": eps, "eps_scope": scope,
-                      "entropy": {"coder": CODER, "model_set": entropy.MODEL_SET_ID, "prec": entropy.PREC}},
+                      "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": entropy.PREC}},
             "bank": bank_info,
             "tensors": [{"name": m.name, "modes": _b64(m.modes), "models": _b64(m.models), "sq_err": m.sq_err,
                          "sq_norm": m.sq_norm} for m in metas],
@@ -189,7 +190,7 @@ class KvzReader:
             raise FormatError(f"malformed header ({type(e).__name__}: {e})") from None
         if codec.get("name") != "alignpred":
             raise FormatError(f"unknown codec {codec.get('name')!r}")
-        if ent.get("coder") != CODER or ent.get("model_set") != entropy.MODEL_SET_ID or ent.get("prec") != entropy.PREC:
+        if ent.get("coder") not in entropy.CODERS or ent.get("model_set") != entropy.MODEL_SET_ID or ent.get("prec") != entropy.PREC:
             raise FormatError(f"unsupported entropy coder {ent!r}")
         lay = self.layout
         S = self.config.object_size
@@ -266,7 +267,7 @@ class KvzReader:
     @property
     def decoder(self) -> Decoder:
         if self._decoder is None:
-            dec = Decoder(self.layout, self._resolve_bank(), self.config)
+            dec = Decoder(self.layout, self._resolve_bank(), self.config, self.header["codec"]["entropy"]["coder"])
             try:
                 dec.check(self.metas)
             except FormatError as e:
