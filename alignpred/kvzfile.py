@@ -84,14 +84,14 @@ def compress(cache, out_path, *, eps: float, bank: Bank | None = None, scope: st
     src = getattr(cache, "path", None)
     try:
         return _compress(cache, out_path, eps=eps, bank=bank, scope=scope, config=config, embed_bank=embed_bank,
-                         progress=progress)
+                         coder=coder, progress=progress)
     except KvzError as e:
         if src and src not in str(e):
             raise type(e)(f"{src}: {e}") from None
         raise
 
 
-def _compress(cache, out_path, *, eps, bank, scope, config, embed_bank, progress) -> CompressInfo:
+def _compress(cache, out_path, *, eps, bank, scope, config, embed_bank, coder, progress) -> CompressInfo:
     config = config or CodecConfig()
     lay = cache.layout
     if lay.n_tokens == 0:
