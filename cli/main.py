@@ -103,25 +103,42 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
 @click.option("-q", "--quiet", is_flag=True)
 @_errors
 def decompress(src, out, bank, tokens, layers, as_json, quiet):
-    """Decode a .kvz file back to safetensors (same names, shapes and dtypes)."""
+    """Decode a .kvz file back to safetensors (same names, shapes and dtypes).
+
+    Streams: the safetensors header is written first (shapes follow from the layout), then each
+    tensor as it is decoded, into a temporary file renamed over OUT at the end."""
+    from alignpred.cachefile import stream_cache
+    from alignpred.layout import numpy_dtype
+
     out = out or os.path.splitext(src)[0] + ".safetensors"
     r = KvzReader(src, bank=bank)
+    lay = r.layout
     rng = None
     if tokens:
         try:
             a, b = (int(v) for v in tokens.split(":"))
         except ValueError:
             raise click.UsageError("--tokens must look like A:B") from None
+        if not (0 <= a < b <= lay.n_tokens):
+            raise click.UsageError(f"--tokens {a}:{b} is outside 0:{lay.n_tokens}")
         rng = (a, b)
-    n = 2 * (layers or r.layout.num_layers)
-    with _progress(n, "decompress", quiet) as bar:
-        tensors = {}
-        for name, arr in r.iter_layers(rng, layers):
-            tensors[name] = arr
-            bar.update(1)
+    if layers is not None and not (1 <= layers <= lay.num_layers):
+        raise click.UsageError(f"--layers must be in 1..{lay.num_layers}")
+    n_tok = (rng[1] - rng[0]) if rng else lay.n_tokens
+    n_layers = layers or lay.num_layers
+    shape = lay.with_tokens(n_tok).tensor_shape()
+    dt = numpy_dtype(lay.dtype)
+    specs = [(name, shape, dt) for name in lay.tensor_names()[:2 * n_layers]]
     meta = dict(r.header.get("source_metadata", {}))
-    save_cache(out, tensors, meta)
-    _emit({"input": src, "output": out, "tensors": len(tensors)}, as_json, [f"{out}: {len(tensors)} tensors"])
+    r.decoder  # resolve the bank (and fail on a wrong one) before creating the output
+    with _progress(len(specs), "decompress", quiet) as bar:
+        def produced():
+            for item in r.iter_layers(rng, layers):
+                yield item
+                bar.update(1)
+
+        stream_cache(out, specs, produced(), meta)
+    _emit({"input": src, "output": out, "tensors": len(specs)}, as_json, [f"{out}: {len(specs)} tensors"])
 
 
 @cli.command()

@@ -100,6 +100,10 @@ def vectors():
          lambda: _synthetic(2, 1, 100, 8, np.float32, 3, batch=True),
          dict(eps=0.02, scope="pooled", config=CodecConfig(object_size=32), embed_bank=True),
          dict(rank=2, rotations=False)),
+        ("synth-constriction-coder",
+         lambda: _synthetic(2, 1, 40, 8, np.float16, 4),
+         dict(eps=0.05, scope="tensor", config=CodecConfig(object_size=16), embed_bank=True, coder="constriction"),
+         dict(rank=None, rotations=False)),
         ("gemma3-270m-3l-300t",
          _real,
          dict(eps=0.03, scope="tensor", config=CodecConfig(), embed_bank=True),
@@ -155,7 +159,8 @@ def make(name, factory, ckw, bkw, out=HERE) -> dict:
         ti, j = divmod(k, n_obj)
         C = r.layout.kv_heads * r.layout.head_dim
         if e.length:
-            q = entropy.decode(buf[e.offset:e.offset + e.length], r.metas[ti].models, (C, e.n_tokens))
+            q = entropy.decode(buf[e.offset:e.offset + e.length], r.metas[ti].models, (C, e.n_tokens),
+                               coder=ckw.get("coder", "rans4"))
         else:
             q = np.zeros((C, e.n_tokens), np.int32)
         arrays[f"q.{ti}.{j}"] = q
@@ -171,7 +176,7 @@ def make(name, factory, ckw, bkw, out=HERE) -> dict:
         "files": files,
         "sha256": {k: _sha(os.path.join(out, v)) for k, v in files.items()},
         "compress": {"eps": ckw["eps"], "eps_scope": ckw["scope"], "config": ckw["config"].to_json(),
-                     "embed_bank": ckw["embed_bank"]},
+                     "embed_bank": ckw["embed_bank"], "coder": ckw.get("coder", "rans4")},
         "bank_fit": {k: v for k, v in bkw.items()},
         "bank_id": bank.id,
         "dtype": r.layout.dtype,
