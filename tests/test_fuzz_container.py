@@ -369,3 +369,23 @@ def test_embedded_bank_mutations(files, work):
         _check(work, rebuild(pre, payloads, b, h, entries), None)
 
     run()
+
+
+# -- the corruption sweep script (benchmarks/corruption_sweep.py) on a small file ---------------
+def test_corruption_sweep_detects_everything(files):
+    from benchmarks.corruption_sweep import sweep
+
+    for which, stride in (("emb", 11), ("ext", 5)):
+        raw, bank = files[which]
+        res = sweep(raw, bank, stride=stride, masks=(None, 0x01), decode_samples=3)
+        assert res["total"]["tried"] > 0 and res["total"]["rate"] == 1.0, res
+        assert res["decode_path"]["detected"] == res["decode_path"]["tried"] == 3
+        if which == "emb":
+            assert res["bank"]["tried"] > 0
+
+
+def test_verify_covers_payloads(files, work):
+    raw, bank = files["ext"]
+    work.data[work.path] = raw
+    r = KvzReader(work.path, bank=bank)
+    assert r.verify() == sum(e.length for e in r.index)
