@@ -284,10 +284,11 @@ class KvzReader:
                                 f"{e.token_start}..{e.token_start + e.n_tokens}")
         return e, payload
 
-    def verify(self, entries=None) -> int:
+    def verify(self, entries=None, bank: bool | None = None) -> int:
         """Check payload checksums without decoding (all index entries, or the given entry
-        indices) and the embedded bank's; raises ChecksumError. Returns the bytes checked.
-        Together with the checks on open, this covers every byte of the file."""
+        indices) and, with ``bank`` (default: when checking all entries), the embedded bank's;
+        raises ChecksumError. Returns the bytes checked. Together with the checks on open, this
+        covers every byte of the file."""
         n_obj = self.n_objects_per_tensor
         ks = range(len(self.index)) if entries is None else entries
         total = 0
@@ -295,7 +296,7 @@ class KvzReader:
             ti, j = divmod(int(k), n_obj)
             total += len(self._fetch(ti, j)[1])
         emb = self.header["bank"].get("embedded")
-        if emb and entries is None:
+        if emb and (entries is None if bank is None else bank):
             raw = self._buf[emb["offset"]:emb["offset"] + emb["length"]]
             if crc32(raw) != emb["crc32"]:
                 raise ChecksumError(f"{self.path}: embedded bank checksum mismatch")

@@ -5,11 +5,12 @@ sample itself and embedded), then corrupts one byte at a time — every byte of 
 payloads, embedded bank, header, index and footer (or every ``--stride``-th) — and asks the
 library's reader whether the file is damaged:
 
-* preamble, bank, header, index, footer: a fresh ``KvzReader`` (which verifies the footer,
-  header and index checksums and validates everything on open) plus ``verify()`` (payload and
-  bank checksums);
-* payload bytes: one reader over a mutable in-memory image, ``verify([k])`` of the object that
-  holds the byte (its CRC is what the reader checks before decoding that object). A sample of
+* preamble, header, index, footer: a fresh ``KvzReader`` (which verifies the footer, header
+  and index checksums and validates everything on open) plus ``verify()`` (payload and bank
+  checksums);
+* payload and embedded-bank bytes: one reader over a mutable in-memory image, ``verify([k])``
+  of the object that holds the byte (its CRC is what the reader checks before decoding that
+  object), or ``verify([], bank=True)`` (the bank CRC checked before the bank is parsed). A sample of
   payload corruptions is also pushed through a real decode (``read(tokens, layers)``) to show
   that the decode path raises the same ChecksumError before decoding.
 
@@ -91,6 +92,8 @@ def sweep(raw: bytes, bank=None, *, stride: int = 1, masks=(None,), decode_sampl
                         if name == "payload":
                             k = int(np.searchsorted(starts, i, side="right") - 1)
                             payload_reader.verify([k])
+                        elif name == "bank":
+                            payload_reader.verify([], bank=True)
                         else:
                             KvzReader(path, bank=bank).verify()
                         missed.append((i, mask))

@@ -103,7 +103,9 @@ def files(tmp_path_factory):
     p2 = d / "emb.kvz"
     compress(c2, p2, eps=0.1, bank=bank2, embed_bank=True, scope="object",
              config=CodecConfig(object_size=8, align=True, blend=True))
-    return {"ext": (p1.read_bytes(), bank), "emb": (p2.read_bytes(), None)}
+    p3 = d / "con.kvz"
+    compress(c, p3, eps=0.05, bank=bank, config=CodecConfig(object_size=16), coder="constriction")
+    return {"ext": (p1.read_bytes(), bank), "emb": (p2.read_bytes(), None), "con": (p3.read_bytes(), bank)}
 
 
 class MemFiles:
@@ -140,7 +142,7 @@ def test_fixtures_decode(files, work):
 
 
 # -- truncation and flips (exhaustive) -----------------------------------------------------------
-@pytest.mark.parametrize("which", ["ext", "emb"])
+@pytest.mark.parametrize("which", ["ext", "emb", "con"])
 def test_truncate_at_every_offset(files, work, which):
     raw, bank = files[which]
     for n in range(len(raw)):
@@ -311,7 +313,7 @@ def test_arbitrary_index_bytes(files, work, ib):
 
 
 # -- re-checksummed payload and embedded-bank mutations ------------------------------------------
-@pytest.mark.parametrize("which", ["ext", "emb"])
+@pytest.mark.parametrize("which", ["ext", "emb", "con"])
 def test_payload_mutations(files, work, which):
     """Damaged payloads whose CRC was recomputed reach the entropy decoder: it must reject them
     (or decode to some values) without crashing."""
@@ -389,3 +391,14 @@ def test_verify_covers_payloads(files, work):
     work.data[work.path] = raw
     r = KvzReader(work.path, bank=bank)
     assert r.verify() == sum(e.length for e in r.index)
+
+
+def test_coder_swapped(files, work):
+    """A header that names the other entropy coder (checksums repaired): payloads of one coder
+    fed to the other decoder must be rejected cleanly."""
+    for which, other in (("ext", "constriction"), ("con", "rans4")):
+        raw, bank = files[which]
+        pre, payloads, bankb, header, entries = split(raw)
+        h = copy.deepcopy(header)
+        h["codec"]["entropy"]["coder"] = other
+        assert _check(work, rebuild(pre, payloads, bankb, h, entries), bank) == "FormatError"

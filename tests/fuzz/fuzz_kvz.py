@@ -8,7 +8,8 @@ The input's first byte picks a mode; the rest is a file image:
   and reach the header validation, the bank parser and the entropy decoder.
 
 Every input must decode or raise :class:`alignpred.errors.KvzError`; anything else is a
-finding. Seeds are two small valid files (external and embedded bank), written on start.
+finding. Seeds are three small valid files (external bank, embedded bank, constriction coder),
+written on start.
 
 Run (from the repository root)::
 
@@ -48,8 +49,9 @@ def _seeds(corpus: str):
     compress(c, os.path.join(d, "a"), eps=0.05, bank=bank, config=CodecConfig(object_size=16))
     compress(c2, os.path.join(d, "b"), eps=0.1, bank=bank2, embed_bank=True, scope="object",
              config=CodecConfig(object_size=8, align=True, blend=True))
+    compress(c, os.path.join(d, "c"), eps=0.05, bank=bank, config=CodecConfig(object_size=16), coder="constriction")
     os.makedirs(corpus, exist_ok=True)
-    for n in "ab":
+    for n in "abc":
         raw = open(os.path.join(d, n), "rb").read()
         for mode in (0, 1):
             with open(os.path.join(corpus, f"seed_{n}{mode}"), "wb") as f:
