@@ -130,7 +130,7 @@ def decompress(src, out, bank, tokens, layers, as_json, quiet):
     dt = numpy_dtype(lay.dtype)
     specs = [(name, shape, dt) for name in lay.tensor_names()[:2 * n_layers]]
     meta = dict(r.header.get("source_metadata", {}))
-    r.decoder  # resolve the bank (and fail on a wrong one) before creating the output
+    _ = r.decoder  # resolve the bank (and fail on a wrong one) before creating the output
     with _progress(len(specs), "decompress", quiet) as bar:
         def produced():
             for item in r.iter_layers(rng, layers):
