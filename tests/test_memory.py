@@ -7,11 +7,13 @@ cache and reclaimable. ``MALLOC_MMAP_THRESHOLD_`` is pinned so that glibc return
 blocks to the OS (its adaptive threshold otherwise keeps freed tensors around, which looks like
 slow growth but is allocator retention, not data kept alive).
 
-A 2-layer and a 14-layer cache of the same tensor shape (bf16 [2, 2048, 128], 1 MiB per
-tensor) are compressed and decompressed; the 14-layer run may use at most 12 MiB more than the
-2-layer run (collecting all tensors would add ~24 MiB). The tensors are zero so that the
+A 2-layer and a 10-layer cache of the same tensor shape (bf16 [2, 2048, 128], 1 MiB per
+tensor) are compressed and decompressed; the 10-layer run may use at most 8 MiB more than the
+2-layer run (collecting all tensors, as decompress used to, adds ~17 MiB; measured: streaming
++1.4 MiB for 12 more layers, collecting +25 MiB). The tensors are zero so that the
 encoder's step search converges at once; the decoder still runs its full per-tensor path.
-Figures for a 24K-token Gemma cache are in format_spec/README.md.
+Figures for a 24K-token Gemma cache are in format_spec/README.md. Marked slow: run with
+``KVZ_SLOW=1 pytest tests/test_memory.py``.
 """
 import os
 import subprocess
@@ -24,7 +26,9 @@ import pytest
 from alignpred import Cache, fit_bank, save_cache
 from alignpred.layout import infer_layout
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc"),
+              pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("KVZ_SLOW") != "1", reason="slow (~15 s CPU, 4 subprocesses); KVZ_SLOW=1")]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KVZ = [sys.executable, "-c", "import sys; from cli.main import cli; sys.exit(cli(prog_name='kvz'))"]
 
@@ -58,7 +62,7 @@ def _cache(n_layers):
 
 def test_streaming_memory_is_flat_in_layers(tmp_path):
     peaks = {}
-    for L in (2, 14):
+    for L in (2, 10):
         t = _cache(L)
         save_cache(tmp_path / f"c{L}.safetensors", t, {"model": "zeros"})
         small = {k: v[:, :64].astype(np.float32) for k, v in t.items()}
@@ -70,7 +74,8 @@ def test_streaming_memory_is_flat_in_layers(tmp_path):
         peaks[("decompress", L)] = peak_anon_mib(["decompress", f"c{L}.kvz", "--bank", f"b{L}.h5", "-o",
                                                   f"d{L}.safetensors", "-q"], tmp_path)
         assert os.path.getsize(tmp_path / f"d{L}.safetensors") == os.path.getsize(tmp_path / f"c{L}.safetensors")
+    print("peak RssAnon (MiB):", {f"{c} L={n}": round(v, 1) for (c, n), v in sorted(peaks.items())})
     report = ", ".join(f"{k[0]} {k[1]} layers: {v:.0f} MiB" for k, v in sorted(peaks.items()))
     for cmd in ("compress", "decompress"):
-        growth = peaks[(cmd, 14)] - peaks[(cmd, 2)]
-        assert growth < 12, f"{cmd}: peak anonymous memory grows with layers ({report})"
+        growth = peaks[(cmd, 10)] - peaks[(cmd, 2)]
+        assert growth < 8, f"{cmd}: peak anonymous memory grows with layers ({report})"
