@@ -109,12 +109,13 @@ def _header(res: dict) -> list[str]:
         "is the file size (every byte) over the value count. Numbers below pool all caches (bits and squared errors "
         "add up; the worst tensor is the worst over all caches).",
         "",
-        "Command:",
+        "Command" + (f" (code at `{res['code_rev']}`)" if res.get("code_rev") else "") + ":",
         "",
         "```",
         res.get("command", "kvz bench"),
         "```",
         "",
+    ] + ([res["note"], ""] if res.get("note") else []) + [
         f"- kvz bank: `{res['bank']['source']}` ({res['bank']['id'][:23]}..., {res['bank']['bytes'] / 1e6:.1f} MB), "
         "auxiliary: fitted on other caches of the model and referenced by id, so **not counted in bpv**.",
         f"- calibration caches for the calibration-based baselines (KVTC, SZ3 aligned): **{res['calib']['mode']}**"

@@ -150,6 +150,20 @@ def machine_info() -> dict:
     return info
 
 
+def code_revision() -> str | None:
+    """``git describe``-style revision of the repository (with ``-dirty`` when tracked files differ), if any."""
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("-dirty" if dirty else "")) or None
+
+
 def _loadavg():
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -478,6 +492,7 @@ def run_bench(caches: list[str] | None = None, *, bank: str | None = None, calib
         "command": command or "kvz bench",
         "quick": quick,
         "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "code_rev": code_revision(),
         "machine": {**machine_info(), "threads": threads, "thread_limit": thread_note},
         "caches": [{"name": n, "path": display_path(p), "n_tokens": c.layout.n_tokens, "n_values": c.layout.n_values,
                     "layers": c.layout.num_layers, "kv_heads": c.layout.kv_heads, "head_dim": c.layout.head_dim,
