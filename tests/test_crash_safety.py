@@ -32,7 +32,7 @@ def _writer(cache, bank, path, eps):
 
 
 def test_sigkill_writer_at_random_points(tmp_path):
-    cache = synthetic_cache(n_layers=6, heads=2, T=600, d=32)
+    cache = synthetic_cache(n_layers=4, heads=2, T=500, d=32)
     bank = fit_bank([cache], rank=8, rotations=False)
     path = tmp_path / "c.kvz"
     compress(cache, tmp_path / "new.kvz", eps=0.02, bank=bank)
@@ -49,7 +49,7 @@ def test_sigkill_writer_at_random_points(tmp_path):
     rng = random.Random(1)
     outcomes = {"old": 0, "new": 0}
     left = 0
-    for it in range(12):
+    for it in range(10):
         if path.read_bytes() == new_bytes:  # start every round from the old version
             compress(cache, path, eps=0.08, bank=bank)
         before = len(temps(tmp_path, "c.kvz"))
