@@ -21,6 +21,7 @@ first 300 tokens); it is skipped (and the old files kept) when that sample is ab
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -111,6 +112,50 @@ def vectors():
     ]
 
 
+BLAS_THREADS = 1  # float results of OpenBLAS depend on its thread count: pin it (see kvz.md §9)
+
+
+def _openblas_fns():
+    """``(get, set)`` of the loaded OpenBLAS's thread count (ctypes), or None."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted({ln.split()[-1] for ln in f if "blas" in ln.lower() and ".so" in ln})
+    except OSError:
+        return None
+    for lib in libs:
+        try:
+            dll = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        for pre in ("scipy_openblas", "openblas"):
+            for suf in ("64_", ""):
+                g, s = getattr(dll, f"{pre}_get_num_threads{suf}", None), getattr(dll, f"{pre}_set_num_threads{suf}", None)
+                if g is not None and s is not None:
+                    return g, s
+    return None
+
+
+@contextlib.contextmanager
+def blas_threads(n: int):
+    """Run with OpenBLAS limited to ``n`` threads (restored afterwards); yields the count set,
+    or None when the BLAS cannot be controlled (then results may depend on the core count)."""
+    import ctypes
+
+    fns = _openblas_fns()
+    if fns is None:
+        yield None
+        return
+    get, set_ = fns
+    old = int(get())
+    set_(ctypes.c_int(n))
+    try:
+        yield int(get())
+    finally:
+        set_(ctypes.c_int(old))
+
+
 def platform_fingerprint() -> dict:
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
@@ -124,7 +169,7 @@ def platform_fingerprint() -> dict:
     except OSError:
         pass
     return {"machine": platform.machine(), "system": platform.system(), "cpu": cpu, "numpy": np.__version__,
-            "blas": blas}
+            "blas": blas, "blas_threads": BLAS_THREADS if _openblas_fns() else "uncontrolled"}
 
 
 def _sha(path) -> str:
@@ -201,7 +246,8 @@ def main(argv=None) -> int:
             if name in old:
                 out.append(old[name])
             continue
-        v = make(name, factory, ckw, bkw)
+        with blas_threads(BLAS_THREADS):
+            v = make(name, factory, ckw, bkw)
         print(f"{name}: {v['facts']['file_bytes']} bytes, bpv {v['facts']['bpv']:.3f}, "
               f"nrmse {v['facts']['nrmse_pooled']:.4f}")
         out.append(v)
