@@ -212,6 +212,16 @@ def _fp8_table(res: dict) -> tuple[list[str], list[str]]:
             verdict.append(f"under the {a} allocation kvz needs {k['bpv']:.3f} bpv"
                            + (f", {best[0] / k['bpv']:.2f}x fewer bits than the best baseline ({_plain(best[1])}, "
                               f"{best[0]:.3f} bpv)" if best else ""))
+    qm = ((res.get("quality") or {}).get("quality_matched") or {})
+    f8q = next((e for n, e in qm.items() if n.startswith("fp8") and e.get("kvz_bpv")), None)
+    if verdict and f8q:
+        verdict.append(f"downstream, though, matched NRMSE is not matched quality: at equal mean KL (section (e)) kvz "
+                       f"needs {f8q['kvz_bpv']:.3f} bpv on the quality prompts vs FP8's {f8q['baseline_bpv']:.3f} "
+                       f"({f8q['rate_ratio']:.2f}x fewer bits, against "
+                       f"{f8q['baseline_bpv'] / f8q['kvz_bpv_at_matched_nrmse']:.2f}x at matched NRMSE)"
+                       if f8q.get("kvz_bpv_at_matched_nrmse") else
+                       f"downstream, at equal mean KL kvz needs {f8q['kvz_bpv']:.3f} bpv vs FP8's "
+                       f"{f8q['baseline_bpv']:.3f}")
     lines += ["", "**Where kvz stands at FP8's error:** " + "; ".join(verdict) + "." if verdict else "", ""]
     return lines, verdict
 
