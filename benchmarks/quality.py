@@ -588,8 +588,8 @@ def _kvz_sweep(results, scope=None) -> list[tuple[float, float, float, str]]:
     return sorted(pts)
 
 
-def _interp_bpv(pts, target_kl):
-    """bpv where log(KL) of the sweep crosses log(target_kl); linear in log-KL between neighbouring points."""
+def _interp_bpv(pts, target_kl, metric="KL"):
+    """bpv where log(metric) of the sweep crosses log(target); linear in log-metric between neighbouring points."""
     logs = [(b, math.log(max(k, 1e-300)), e) for b, k, e, _ in pts]
     lt = math.log(max(target_kl, 1e-300))
     for (b0, l0, e0), (b1, l1, e1) in zip(logs, logs[1:]):
@@ -601,9 +601,9 @@ def _interp_bpv(pts, target_kl):
             return b0 + f * (b1 - b0), eps, "interpolated"
     kls = [k for _, k, _, _ in pts]
     if target_kl < min(kls):
-        return None, None, "below sweep: kvz's lowest KL in the sweep is still above the target (needs smaller eps)"
+        return None, None, f"below sweep: kvz's lowest {metric} in the sweep is still above the target (needs smaller eps)"
     if target_kl > max(kls):
-        return None, None, "above sweep: kvz's highest-eps KL is still below the target (larger eps would do)"
+        return None, None, f"above sweep: kvz's highest-eps {metric} is still below the target (larger eps would do)"
     return None, None, "sweep not monotone around the target"
 
 
@@ -629,7 +629,7 @@ def quality_matched_rate(results) -> dict:
             # at matched NRMSE (log NRMSE vs bpv), for context
             npts = sorted((results["settings"][n]["bpv"], results["settings"][n]["nrmse_pooled"], e, n)
                           for _, _, e, n in pts)
-            nb, _, nstatus = _interp_bpv(npts, s.get("nrmse_pooled") or 0.0)
+            nb, _, nstatus = _interp_bpv(npts, s.get("nrmse_pooled") or 0.0, "NRMSE")
             entry["kvz_bpv_at_matched_nrmse"] = nb
             entry["matched_nrmse_status"] = nstatus
             if nb is not None and bpv is not None:
