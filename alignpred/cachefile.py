@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,6 +36,7 @@ class Cache:
     metadata: dict
     layout: CacheLayout
     path: str | None = None  # the file it was loaded from (for error messages)
+    buf: object = field(default=None, repr=False, compare=False)  # the mapped file behind tensors
 
 
 def parse_safetensors(buf) -> tuple[dict, dict]:
@@ -79,7 +80,7 @@ def load_cache(path) -> Cache:
         layout = infer_layout(tensors, meta)
     except LayoutError as e:
         raise LayoutError(f"{path}: {e}") from None
-    return Cache(tensors, meta, layout, path=str(path))
+    return Cache(tensors, meta, layout, path=str(path), buf=buf)
 
 
 def safetensors_header(specs, metadata: dict | None = None) -> bytes:

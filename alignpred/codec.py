@@ -101,7 +101,11 @@ class _Chain:
         """Coding frame rows -> native rows, cast to the source dtype (clipped to its range)."""
         lay = self.layout
         p = self.plans[block_name(kind, layer, head)]
-        x = z @ p.rot.T if p.rot is not None else z
+        if p.rot is not None:  # per object, so the product has the same shape on every path
+            S = self.config.object_size
+            x = np.concatenate([z[a:a + S] @ p.rot.T for a in range(0, z.shape[0], S)]) if len(z) else z
+        else:
+            x = z
         x = x + p.mean
         if kind == "K" and lay.keys_roped and self.config.rope_undo:
             x = apply_rope(x, np.arange(x.shape[0]) + start + lay.position_offset, lay.rope_theta[layer],
@@ -173,15 +177,23 @@ class Encoder(_Chain):
                 q[zero_rows] = 0
                 rec[zero_rows] = z[zero_rows]
             local[b] = rec
-            xh = self.to_native(rec, layer, kind, h, 0).astype(np.float64)
-            d = xh - x[h]
-            e = np.einsum("ij,ij->i", d, d)
+            e = self._row_errors(rec, x[h], layer, kind, h)
             e[zero_rows] = 0.0
             err += _obj_sums(e, S)
             qs.append(q)
             recs.append(rec)
             chosen.append(m)
         return np.concatenate(qs, axis=1), recs, np.stack(chosen), err
+
+    def _row_errors(self, rec, xh, layer, kind, h) -> np.ndarray:
+        """Squared error per row after the inverse transform and the cast, object by object
+        (float64 temporaries stay one object in size; to_native is elementwise per row)."""
+        S = self.config.object_size
+        e = np.empty(rec.shape[0])
+        for a in range(0, rec.shape[0], S):
+            d = self.to_native(rec[a:a + S], layer, kind, h, a).astype(np.float64) - xh[a:a + S]
+            e[a:a + S] = np.einsum("ij,ij->i", d, d)
+        return e
 
     def _choose(self, plan, z, local, delta_rows) -> np.ndarray:
         cfg = self.config

@@ -18,6 +18,7 @@ b'hello world'
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
@@ -73,22 +74,29 @@ def remove_stale_temps(path, min_age: float = 2.0) -> list[str]:
     return removed
 
 
-def atomic_write(path, chunks: Iterable[bytes]) -> int:
-    """Write the byte chunks to ``path`` atomically; returns the number of bytes written."""
+@contextlib.contextmanager
+def atomic_file(path):
+    """Context manager yielding a binary file (seekable) that replaces ``path`` atomically when
+    the block ends without error; on any error the temporary file is removed.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "y.bin")
+    >>> with atomic_file(p) as f:
+    ...     _ = f.truncate(4); _ = f.seek(2); _ = f.write(b"ab")
+    >>> open(p, "rb").read()
+    b'\\x00\\x00ab'
+    """
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path)) or "."
     remove_stale_temps(path)
     mode = _mode_for(path)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
-    n = 0
     try:
         # the lock marks the temp file as live; it is held until the file has been renamed
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "w+b") as f:
             _lock(f.fileno())
             os.fchmod(f.fileno(), mode)
-            for c in chunks:
-                f.write(c)
-                n += len(c)
+            yield f
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -112,7 +120,27 @@ def atomic_write(path, chunks: Iterable[bytes]) -> int:
             os.close(dfd)
     except OSError:
         pass
+
+
+def atomic_write(path, chunks: Iterable[bytes]) -> int:
+    """Write the byte chunks to ``path`` atomically; returns the number of bytes written."""
+    n = 0
+    with atomic_file(path) as f:
+        for c in chunks:
+            f.write(c)
+            n += len(c)
     return n
+
+
+def release_pages(buf) -> None:
+    """Drop the pages of a mapped file (from :func:`map_file`) from this process's resident set;
+    they stay in the page cache and are faulted back in if read again. No-op for other buffers."""
+    mm = getattr(buf, "obj", None)
+    if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mm.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
 
 
 def map_file(path) -> memoryview:

@@ -32,7 +32,7 @@ from .codec import OBJ_ZERO, SCOPES, Decoder, Encoder, TensorMeta
 from .errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError
 from .format.container import (ENTRY_SIZE, FOOTER_SIZE, MAJOR, MINOR, PREAMBLE_SIZE, Footer, IndexEntry, crc32,
                                dump_header, pack_preamble, parse_container)
-from .io import atomic_write, map_file
+from .io import atomic_write, map_file, release_pages
 from .layout import CacheLayout
 from .predict import CodecConfig
 
@@ -117,6 +117,7 @@ def _compress(cache, out_path, *, eps, bank, scope, config, embed_bank, coder, p
                 yield ob.payload
             meta.objects = []
             metas.append(meta)
+            release_pages(getattr(cache, "buf", None))  # input pages read so far leave the RSS
         bank_info = {"id": bank.id, "model": bank.model, "embedded": None}
         if embed_bank:
             bank_info["embedded"] = {"offset": off, "length": len(bank_bytes), "crc32": crc32(bank_bytes)}
@@ -327,6 +328,62 @@ class KvzReader:
     def read(self, tokens=None, layers=None) -> dict:
         """Decode into ``{name: array}`` (the source's names, shapes and dtype)."""
         return dict(self.iter_layers(tokens, layers))
+
+    def decompress_to(self, path, tokens=None, layers=None, chunk_objects: int = 1, progress=None) -> int:
+        """Decode into a safetensors file (atomically) in bounded memory: object range by object
+        range through every layer, each slice written at its place in the output, so only
+        ``chunk_objects`` × 256 positions of the cache are in memory at a time. Returns the bytes
+        written. ``progress(n)`` is called with the number of positions finished."""
+        from .cachefile import safetensors_header
+        from .io import atomic_file
+        from .layout import numpy_dtype
+
+        lay = self.layout
+        a, b = (0, lay.n_tokens) if tokens is None else (int(tokens[0]), int(tokens[1]))
+        n_layers = lay.num_layers if layers is None else int(layers)
+        S = self.config.object_size
+        n_tok = b - a
+        shape = lay.with_tokens(n_tok).tensor_shape()
+        dt = numpy_dtype(lay.dtype)
+        names = lay.tensor_names()[:2 * n_layers]
+        head = safetensors_header([(n, shape, dt) for n in names], self._slice_metadata(a, n_layers))
+        t_bytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        row_bytes = lay.head_dim * dt.itemsize
+        step = max(1, int(chunk_objects)) * S
+        with atomic_file(path) as f:
+            f.write(head)
+            f.truncate(len(head) + t_bytes * len(names))
+            for c0 in range((a // S) * S, b, step):
+                lo, hi = max(a, c0), min(b, c0 + step)
+                for ti, (name, arr) in enumerate(self.iter_layers((lo, hi), n_layers)):
+                    arr = arr[0] if lay.batch_dim else arr
+                    for h in range(lay.kv_heads):
+                        f.seek(len(head) + ti * t_bytes + (h * n_tok + lo - a) * row_bytes)
+                        f.write(np.ascontiguousarray(arr[h]).tobytes())
+                self._release_pages()
+                if progress:
+                    progress(hi - lo)
+        return len(head) + t_bytes * len(names)
+
+    def _release_pages(self) -> None:
+        """Streaming a large file should not grow RSS with the mapped pages already read."""
+        release_pages(self._buf)
+
+    def _slice_metadata(self, start: int, n_layers: int) -> dict:
+        """The source metadata, adjusted for a decoded subset: per-layer lists cut to the layers
+        kept, and the RoPE position offset moved to the first token kept."""
+        import json
+
+        meta = dict(self.header.get("source_metadata", {}))
+        for key in ("layer_types", "rope_theta"):
+            if key in meta:
+                try:
+                    meta[key] = json.dumps(json.loads(meta[key])[:n_layers])
+                except (ValueError, TypeError):
+                    del meta[key]
+        if start:
+            meta["position_offset"] = str(self.layout.position_offset + start)
+        return meta
 
     # -- summary ---------------------------------------------------------------------------------
     def summary(self) -> dict:

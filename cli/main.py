@@ -105,11 +105,8 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
 def decompress(src, out, bank, tokens, layers, as_json, quiet):
     """Decode a .kvz file back to safetensors (same names, shapes and dtypes).
 
-    Streams: the safetensors header is written first (shapes follow from the layout), then each
-    tensor as it is decoded, into a temporary file renamed over OUT at the end."""
-    from alignpred.cachefile import stream_cache
-    from alignpred.layout import numpy_dtype
-
+    Streams in bounded memory: 256 positions of every layer at a time, each slice written at its
+    place in a temporary file that is renamed over OUT at the end."""
     out = out or os.path.splitext(src)[0] + ".safetensors"
     r = KvzReader(src, bank=bank)
     lay = r.layout
@@ -124,20 +121,15 @@ def decompress(src, out, bank, tokens, layers, as_json, quiet):
         rng = (a, b)
     if layers is not None and not (1 <= layers <= lay.num_layers):
         raise click.UsageError(f"--layers must be in 1..{lay.num_layers}")
-    n_tok = (rng[1] - rng[0]) if rng else lay.n_tokens
     n_layers = layers or lay.num_layers
-    shape = lay.with_tokens(n_tok).tensor_shape()
-    dt = numpy_dtype(lay.dtype)
-    specs = [(name, shape, dt) for name in lay.tensor_names()[:2 * n_layers]]
-    meta = dict(r.header.get("source_metadata", {}))
     _ = r.decoder  # resolve the bank (and fail on a wrong one) before creating the output
-    with _progress(len(specs), "decompress", quiet) as bar:
-        def produced():
-            for item in r.iter_layers(rng, layers):
-                yield item
-                bar.update(1)
+    a, b = rng or (0, lay.n_tokens)
+    from tqdm import tqdm
 
-        stream_cache(out, specs, produced(), meta)
+    with tqdm(total=b - a, desc="decompress", unit="tok", file=sys.stderr, disable=quiet or None,
+              leave=False) as bar:
+        r.decompress_to(out, rng, n_layers, progress=bar.update)
+    specs = lay.tensor_names()[:2 * n_layers]
     _emit({"input": src, "output": out, "tensors": len(specs)}, as_json, [f"{out}: {len(specs)} tensors"])
 
 

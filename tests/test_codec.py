@@ -122,3 +122,21 @@ def test_constriction_coder_round_trips(tmp_path):
     for n in oa:  # same symbols, different coder: identical reconstruction
         np.testing.assert_array_equal(oa[n], ob[n])
     assert abs(a.bpv - b.bpv) < 0.1
+
+
+def test_decompress_to_matches_read(tmp_path):
+    from alignpred import load_cache
+    c = synthetic_cache(n_layers=3, T=700, roped=True, heads=2)
+    bank = fit_bank([c], rank=4)
+    compress(c, tmp_path / "c.kvz", eps=0.03, bank=bank)
+    r = KvzReader(tmp_path / "c.kvz", bank=bank)
+    full = r.read()
+    r.decompress_to(tmp_path / "all.safetensors")
+    r.decompress_to(tmp_path / "part.safetensors", tokens=(100, 650), layers=2, chunk_objects=1)
+    a, p = load_cache(tmp_path / "all.safetensors"), load_cache(tmp_path / "part.safetensors")
+    for n in full:
+        np.testing.assert_array_equal(a.tensors[n], full[n])
+    assert sorted(p.tensors) == sorted(list(full)[:4])
+    assert p.layout.position_offset == 100 and len(p.layout.rope_theta) == 2  # RoPE positions stay right
+    for n in p.tensors:
+        np.testing.assert_array_equal(p.tensors[n], full[n][:, 100:650])
