@@ -22,6 +22,9 @@ def _errors(fn):
             return fn(*a, **k)
         except KvzError as e:
             raise click.ClickException(str(e)) from None
+        except BrokenPipeError:  # output piped into `head` and friends: stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
         except OSError as e:
             raise click.ClickException(f"{getattr(e, 'filename', '') or ''}: {e.strerror or e}".lstrip(": ")) from None
         except MemoryError:
