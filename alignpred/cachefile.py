@@ -108,39 +108,6 @@ def cache_bytes(tensors: dict, metadata: dict | None = None):
         yield np.ascontiguousarray(tensors[name]).tobytes()
 
 
-def stream_cache(path, specs, items, metadata: dict | None = None) -> int:
-    """Write a safetensors file atomically while the tensors are produced: the header (from
-    ``specs = [(name, shape, dtype), ...]``) first, then each ``(name, array)`` of ``items`` as it
-    arrives, so only one tensor needs to be in memory. Each item must match its spec (name,
-    shape, dtype, order), else KvzError and nothing is written. Returns the bytes written.
-
-    >>> import numpy as np, tempfile, os
-    >>> p = os.path.join(tempfile.mkdtemp(), "s.safetensors")
-    >>> specs = [("layers.0.key", (1, 2, 4), np.float16), ("layers.0.value", (1, 2, 4), np.float16)]
-    >>> n = stream_cache(p, specs, ((nm, np.ones(sh, dt)) for nm, sh, dt in specs))
-    >>> load_cache(p).tensors["layers.0.value"].sum()
-    np.float16(8.0)
-    """
-    specs = [(str(n), tuple(int(x) for x in sh), np.dtype(dt)) for n, sh, dt in specs]
-
-    def chunks():
-        yield safetensors_header(specs, metadata)
-        it = iter(items)
-        for name, shape, dt in specs:
-            try:
-                got, arr = next(it)
-            except StopIteration:
-                raise KvzError(f"{path}: tensor {name} was never produced") from None
-            if got != name or tuple(arr.shape) != shape or arr.dtype != dt:
-                raise KvzError(f"{path}: got tensor {got} {tuple(arr.shape)} {arr.dtype}, expected {name} {shape} {dt}")
-            yield np.ascontiguousarray(arr).tobytes()
-            del arr
-        if next(it, None) is not None:
-            raise KvzError(f"{path}: more tensors than announced")
-
-    return atomic_write(path, chunks())
-
-
 def _dtname(dt) -> str:
     for name in _ST_DTYPES.values():
         if numpy_dtype(name) == dt:

@@ -294,7 +294,6 @@ class Encoder(_Chain):
 
     def _pooled_search(self, tensors, progress):
         lay = self.layout
-        S = self.config.object_size
         total_norm = 0.0
         for name in lay.tensor_names():
             a = np.asarray(tensors[name], np.float64)

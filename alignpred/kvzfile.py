@@ -165,6 +165,7 @@ class KvzReader:
             raise type(e)(f"{self.path}: {e}") from None
         self.header = parsed.header
         self.index = parsed.index
+        self._footer = parsed.footer
         self.version = parsed.version
         try:
             self._validate()
@@ -230,7 +231,7 @@ class KvzReader:
         end = prev_end + (int(emb["length"]) if emb else 0)
         if emb and int(emb["offset"]) != prev_end:
             raise FormatError("embedded bank offset is inconsistent")
-        if end != parsed_header_offset(self._buf):
+        if end != self._footer.header_offset:
             raise FormatError("payloads do not end where the header starts")
         self.n_objects_per_tensor = n_obj
 
@@ -531,10 +532,6 @@ def check_bank(bank: Bank, layout: CacheLayout, config: CodecConfig) -> None:
                     if not all(isinstance(s, str) and pos.get(s, len(order)) < pos[b] for s in g[:g.index(b)]):
                         raise BankMismatchError(f"bank group of {b} is not in decode order")
                     break
-
-
-def parsed_header_offset(buf) -> int:
-    return Footer.unpack(buf[len(buf) - FOOTER_SIZE:], len(buf)).header_offset
 
 
 def find_bundled_bank(bank_id: str):

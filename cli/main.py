@@ -11,8 +11,7 @@ import sys
 
 import click
 
-from alignpred import (Bank, CodecConfig, KvzError, KvzReader, compress as compress_cache, fit_bank, load_cache,
-                       save_cache)
+from alignpred import Bank, CodecConfig, KvzError, KvzReader, compress as compress_cache, fit_bank, load_cache
 
 
 def _errors(fn):

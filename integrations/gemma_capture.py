@@ -303,38 +303,13 @@ def safetensors_chunks(tensors: dict, metadata: dict[str, str]):
 
 
 def write_cache_atomic(tensors: dict, metadata: dict[str, str], out_path: str | os.PathLike) -> Path:
-    """Write ``tensors`` (torch) with ``metadata`` to ``out_path`` atomically.
+    """Write ``tensors`` (torch) with ``metadata`` to ``out_path`` atomically (kvz's
+    :func:`alignpred.io.atomic_write`: temp file in the same folder, fsync, rename)."""
+    from alignpred.io import atomic_write
 
-    Temp file in the same directory, fsync, ``os.replace``, fsync of the
-    directory; the file gets the usual mode (0666 & ~umask).
-    """
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in safetensors_chunks(tensors, metadata):
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:  # persist the rename
-        dfd = os.open(out.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    atomic_write(out, safetensors_chunks(tensors, metadata))
     return out
 
 
