@@ -91,7 +91,7 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
     src_bits = 32 if cache.layout.dtype == "float32" else 16
     _emit(res, as_json, [f"{out}: {info.file_bytes} bytes, {info.bpv:.3f} bits/value "
                          f"({src_bits / info.bpv:.2f}x smaller than the {cache.layout.dtype} input)",
-                         f"error: pooled NRMSE {info.nrmse_pooled:.5f}, worst tensor {info.nrmse_max_tensor:.5f} "
+                         f"error: pooled NRMSE {info.nrmse_pooled:.6f}, worst tensor {info.nrmse_max_tensor:.6f} "
                          f"(eps {eps}, scope {eps_scope})"])
 
 
@@ -170,11 +170,11 @@ def inspect(src, as_json):
     lines = [f"{s['file']}: kvz {s['version']}, {lay['model'] or 'unknown model'}, {lay['num_layers']} layers x "
              f"{lay['kv_heads']} KV heads x {lay['n_tokens']} tokens x {lay['head_dim']} ({lay['dtype']})",
              f"{s['file_bytes']} bytes, {s['bpv']:.3f} bits/value; eps {s['eps']} ({s['eps_scope']}); "
-             f"pooled NRMSE {s['nrmse_pooled']:.5f}, worst tensor {s['nrmse_max_tensor']:.5f}",
+             f"pooled NRMSE {s['nrmse_pooled']:.6f}, worst tensor {s['nrmse_max_tensor']:.6f}",
              f"bank {s['bank_id']}{' (embedded, %d bytes)' % s['bank_bytes'] if s['bank_embedded'] else ''}",
-             f"{'tensor':<20} {'nrmse':>8} {'bpv':>7} {'worst object':>13}"]
+             f"{'tensor':<20} {'nrmse':>9} {'bpv':>7} {'worst object':>13}"]
     for name, t in s["tensors"].items():
-        lines.append(f"{name:<20} {t['nrmse']:8.5f} {t['bpv_payload']:7.3f} {t['max_object_nrmse']:13.5f}")
+        lines.append(f"{name:<20} {t['nrmse']:9.6f} {t['bpv_payload']:7.3f} {t['max_object_nrmse']:13.6f}")
     _emit(s, as_json, lines)
 
 
