@@ -253,6 +253,7 @@ class Encoder(_Chain):
             done = ok & (e >= target * 0.994)
             delta = np.where(done, delta, np.where(ok, nxt, np.minimum(nxt, delta * 0.999)))
         if best is None or not np.allclose(best[0], lo):
+            lo = np.where(lo > 0, lo, delta * 0.5)  # units never feasible yet: keep shrinking from the last try
             res = self._code(layer, kind, x, zs, recon, expand(lo.astype(np.float32)), zero_obj, modes)
             e = res[3] if self.scope == "object" else np.array([res[3].sum()])
             while not (e <= target).all():
