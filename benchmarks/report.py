@@ -289,7 +289,6 @@ def _calibration_table(res: dict) -> list[str]:
     cal = [r for r in res["summary_rows"] if r.get("study") == "calibration"]
     if base is None or not cal:
         return []
-    nv = base["n_values"]
     lines = ["## (c) Calibration: auxiliary bank vs cache-specific bank", "",
              f"kvz at FP8's error (tensor allocation, eps = {eps:.5f}). The auxiliary bank is fitted once on other "
              "caches of the model and reused, so it is not counted; a cache-specific bank is fitted on the target "

@@ -34,9 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from alignpred import Bank, Cache, CodecConfig, KvzReader, compress, fit_bank, load_cache, save_cache  # noqa: E402
+from alignpred import Bank, CodecConfig, KvzReader, compress, fit_bank, load_cache, save_cache  # noqa: E402
 from alignpred import entropy  # noqa: E402
-from alignpred.layout import infer_layout  # noqa: E402
 
 REAL_SAMPLE = os.path.join(ROOT, "samples", "gemma3-270m", "english-prose.safetensors")
 # Decoded values may differ across machines in the last float32 ulps (BLAS); per element
