@@ -159,6 +159,7 @@ class Encoder(_Chain):
         S = self.config.object_size
         T = x.shape[1]
         delta_rows = np.repeat(np.asarray(delta_obj, np.float32), S)[:T]
+        self.config.scale_sink(delta_rows, 0)
         zero_rows = np.repeat(zero_obj, S)[:T]
         delta_rows[zero_rows] = 1.0
         local = dict(recon)
@@ -424,6 +425,7 @@ class Decoder(_Chain):
                     delta_rows[a:b] = 1.0
                 else:
                     q[:, a:b] = entropy.decode(payload, meta.models, (H * d, entry.n_tokens), self.coder)
+            self.config.scale_sink(delta_rows, start)
             out = np.empty((H, n_rows, d), self.out_dtype)
             for h in range(H):
                 blk = block_name(kind, layer, h)

@@ -419,8 +419,9 @@ _LAYOUT_TYPES = {"num_layers": "int", "kv_heads": "int", "head_dim": "int", "n_t
                  "batch_dim": "bool", "model": "str", "layer_types": "list", "rope_theta": "list",
                  "rope_pairing": "str", "keys_roped": "bool", "position_offset": "int", "extra": "dict"}
 _CONFIG_TYPES = {"object_size": "int", "align": "bool", "inter_map": "bool", "blend": "bool", "intra": "bool",
-                 "channel_choice": "bool", "rope_undo": "bool", "lambdas": "list"}
-_PY = {"int": int, "str": str, "bool": bool, "list": list, "dict": dict}
+                 "channel_choice": "bool", "rope_undo": "bool", "lambdas": "list", "sink_tokens": "int",
+                 "sink_scale": "float"}
+_PY = {"int": int, "str": str, "bool": bool, "list": list, "dict": dict, "float": float}
 
 
 def _f32(v) -> bool:
@@ -471,6 +472,9 @@ def check_header(h: dict) -> None:
     lam = cfg.get("lambdas", [0.5, 0.75])
     if len(lam) != 2 or not all(type(x) in (int, float) and math.isfinite(x) for x in lam):
         raise FormatError("codec.config.lambdas must be two numbers")
+    if not (0 <= cfg.get("sink_tokens", 0) <= MAX_TOKENS and _f32(cfg.get("sink_scale", 1.0))
+            and 0 < cfg.get("sink_scale", 1.0) <= 1):
+        raise FormatError("codec.config.sink_tokens/sink_scale out of range")
     bank = h["bank"]
     _typed(bank, {"id": "str", "model": "str"}, "bank", ("id",))
     emb = bank.get("embedded")

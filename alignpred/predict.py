@@ -34,7 +34,10 @@ class CodecConfig:
     ``align``: code blocks in their GPA-aligned frame. ``inter_map``: allow the linear-map
     predictor. ``blend``: allow the paper's lambda-blended aligned predictor. ``intra``: allow
     token interpolation. ``channel_choice``: choose the mode per channel (else one per block).
-    ``rope_undo``: code keys with RoPE undone.
+    ``rope_undo``: code keys with RoPE undone. ``sink_tokens``/``sink_scale``: the first
+    ``sink_tokens`` positions of the cache (the attention sink, where errors in the keys cost the
+    most downstream) are quantised with the step times ``sink_scale``; a header without these
+    keys means 0 / 1.0 (off).
     """
 
     object_size: int = 256
@@ -45,6 +48,15 @@ class CodecConfig:
     channel_choice: bool = True
     rope_undo: bool = True
     lambdas: tuple = (0.5, 0.75)
+    sink_tokens: int = 1
+    sink_scale: float = 0.0625
+
+    def __post_init__(self):
+        if not (isinstance(self.sink_tokens, int) and self.sink_tokens >= 0
+                and 0.0 < float(self.sink_scale) <= 1.0 and float(np.float32(self.sink_scale)) == float(self.sink_scale)):
+            from .errors import KvzError
+
+            raise KvzError("sink_tokens must be >= 0 and sink_scale a float32 in (0, 1]")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -55,7 +67,16 @@ class CodecConfig:
     def from_json(cls, d: dict) -> "CodecConfig":
         d = dict(d)
         d["lambdas"] = tuple(d.get("lambdas", (0.5, 0.75)))
+        d.setdefault("sink_tokens", 0)  # absent: files written before the sink option
+        d.setdefault("sink_scale", 1.0)
         return cls(**d)
+
+    def scale_sink(self, delta_rows: np.ndarray, start: int) -> None:
+        """Multiply (in float32, in place) the steps of rows at cache positions < sink_tokens;
+        ``delta_rows[0]`` is position ``start``."""
+        k = min(len(delta_rows), self.sink_tokens - start)
+        if k > 0:
+            delta_rows[:k] *= np.float32(self.sink_scale)
 
     def candidate_modes(self, has_map: bool, has_blend: bool) -> list[int]:
         bases = [ZERO] + ([MAP] if self.inter_map and has_map else []) + ([BLEND] if self.blend and has_blend else [])

@@ -67,11 +67,13 @@ def cli():
 @click.option("--no-intra", is_flag=True, help="Ablation: disable token interpolation.")
 @click.option("--no-channel-choice", is_flag=True, help="Ablation: one predictor per block, not per channel.")
 @click.option("--no-rope-undo", is_flag=True, help="Ablation: code keys with RoPE applied.")
+@click.option("--sink-tokens", type=int, default=1, show_default=True,
+              help="Leading positions (attention sink) coded with a 16x finer step; 0 disables.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_errors
 def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map, blend, no_intra,
-             no_channel_choice, no_rope_undo, as_json, quiet):
+             no_channel_choice, no_rope_undo, sink_tokens, as_json, quiet):
     """Compress a KV cache (safetensors) into a .kvz file."""
     out = out or os.path.splitext(src)[0] + ".kvz"
     cache = load_cache(src)
@@ -79,7 +81,7 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
         raise click.UsageError("give exactly one of --bank BANK or --self-calibrate")
     b = fit_bank([cache], rank=rank or None, rotations=align) if self_calibrate else Bank.load(bank)
     cfg = CodecConfig(align=align, inter_map=not no_map, blend=blend, intra=not no_intra,
-                      channel_choice=not no_channel_choice, rope_undo=not no_rope_undo)
+                      channel_choice=not no_channel_choice, rope_undo=not no_rope_undo, sink_tokens=max(0, sink_tokens))
     n = 2 * cache.layout.num_layers
     # pooled: a few whole-cache passes of the step search, then the final one (count unknown)
     with _progress(None if eps_scope == "pooled" else n, "compress", quiet) as bar:

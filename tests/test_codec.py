@@ -140,3 +140,25 @@ def test_decompress_to_matches_read(tmp_path):
     assert p.layout.position_offset == 100 and len(p.layout.rope_theta) == 2  # RoPE positions stay right
     for n in p.tensors:
         np.testing.assert_array_equal(p.tensors[n], full[n][:, 100:650])
+
+
+def test_sink_token_gets_a_finer_step(tmp_path):
+    c = synthetic_cache(T=300)
+    bank = fit_bank([c], rank=4)
+    compress(c, tmp_path / "s.kvz", eps=0.05, bank=bank)  # default: 1 sink token, step / 16
+    compress(c, tmp_path / "n.kvz", eps=0.05, bank=bank, config=CodecConfig(sink_tokens=0))
+    s, n = KvzReader(tmp_path / "s.kvz", bank=bank), KvzReader(tmp_path / "n.kvz", bank=bank)
+    assert s.config.sink_tokens == 1 and n.config.sink_tokens == 0
+    os_, on = s.read(), n.read()
+    for name, x in c.tensors.items():
+        e_s = np.abs(os_[name][:, 0].astype(np.float64) - x[:, 0])
+        e_n = np.abs(on[name][:, 0].astype(np.float64) - x[:, 0])
+        assert e_s.mean() < 0.25 * e_n.mean()
+        assert nrmse(x, os_[name]) <= 0.05
+
+
+def test_header_without_sink_keys_means_off():
+    d = CodecConfig().to_json()
+    del d["sink_tokens"], d["sink_scale"]
+    cfg = CodecConfig.from_json(d)
+    assert cfg.sink_tokens == 0 and cfg.sink_scale == 1.0

@@ -325,7 +325,10 @@ def spec_decode(raw: bytes, bank) -> dict:
                     qs.append(np.array(q, np.int32).reshape(H * d, n))
                 deltas.append(np.full(n, np.float32(e["delta"]), np.float32))
                 zero.append(np.full(n, bool(e["flags"] & 1)))
-            Q, dr, zr = np.concatenate(qs, axis=1).T, np.concatenate(deltas)[:, None], np.concatenate(zero)
+            dr = np.concatenate(deltas)
+            sink = min(T, h["codec"]["config"].get("sink_tokens", 0))  # spec 8.5: sink rows' step
+            dr[:sink] *= np.float32(h["codec"]["config"].get("sink_scale", 1.0))
+            Q, dr, zr = np.concatenate(qs, axis=1).T, dr[:, None], np.concatenate(zero)
             res = np.empty((H, T, d), out_dt)
             for hh in range(H):
                 b = f"{kind}.{i}.{hh}"
