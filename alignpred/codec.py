@@ -84,9 +84,6 @@ class _Chain:
         for b in [b for b in recon if self._last_use.get(b, -1) <= k]:
             del recon[b]
 
-    def has_blend(self, b):
-        return bool(self.plans[b].blend_refs)
-
     def to_frame(self, x: np.ndarray, layer: int, kind: str, head: int, start: int) -> np.ndarray:
         """Native block rows ``[n, d]`` -> coding frame (float32)."""
         lay = self.layout
