@@ -95,6 +95,11 @@ class _Chain:
         z = x - p.mean
         return z @ p.rot if p.rot is not None else z
 
+    def zero_image(self, layer: int, kind: str, head: int) -> np.ndarray:
+        """Coding-frame image ``[d]`` of a zero row (RoPE(0) = 0 at every position); encoder and
+        decoder compute it the same way, on one row."""
+        return self.to_frame(np.zeros((1, self.layout.head_dim), np.float32), layer, kind, head, 0)[0]
+
     def to_native(self, z: np.ndarray, layer: int, kind: str, head: int, start: int) -> np.ndarray:
         """Coding frame rows -> native rows, cast to the source dtype (clipped to its range)."""
         lay = self.layout
@@ -125,9 +130,22 @@ def _obj_sums(v: np.ndarray, size: int) -> np.ndarray:
 
 
 class Encoder(_Chain):
-    """Encode a cache tensor by tensor. ``scope`` is ``object``, ``tensor`` or ``pooled``."""
+    """Encode a cache in bounded memory. ``scope`` is ``object``, ``tensor`` or ``pooled``.
 
-    def __init__(self, layout, bank, config: CodecConfig, eps: float, scope: str = "tensor", coder: str = "rans4"):
+    Work runs *object chunk by object chunk* through every layer (``chunk_objects`` objects of
+    every tensor at a time), as predictions only combine rows of the same positions: memory
+    holds one chunk of each referenced block, never a whole tensor. The steps are searched
+    jointly: each pass codes the whole cache at one step per scope unit and measures every
+    object's error; units are updated together until all meet ``eps`` and lie within 0.6 % of
+    it. A last pass at the chosen steps emits the payloads, chunk-major
+    (:meth:`encode` yields them; :attr:`metas` holds the per-tensor parameters afterwards).
+
+    ``release(view)`` (optional) is called with every input slice once it has been read, e.g.
+    to drop its mapped pages from the resident set.
+    """
+
+    def __init__(self, layout, bank, config: CodecConfig, eps: float, scope: str = "tensor", coder: str = "rans4",
+                 chunk_objects: int = 8):
         super().__init__(layout, bank, config, coder)
         if not (0.0 < eps < 1.0):
             raise EncodeError(f"eps must be in (0, 1), got {eps}")
@@ -135,83 +153,193 @@ class Encoder(_Chain):
             raise EncodeError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
         self.eps = float(eps)
         self.scope = scope
+        self.chunk_objects = max(1, int(chunk_objects))
+        self.metas: list[TensorMeta] = []
+        self._release = None
+        lay = layout
+        S = config.object_size
+        self.n_obj = -(-lay.n_tokens // S)
+        self.tensors = [(i, k) for i in range(lay.num_layers) for k in ("K", "V")]
+        self.obj_rows = np.minimum(S, lay.n_tokens - S * np.arange(self.n_obj))
 
-    # -- one tensor at given steps ---------------------------------------------------------------
-    def _prepare(self, layer: int, kind: str, arr: np.ndarray):
-        name = _tensor_name(layer, kind)
-        a = arr[0] if self.layout.batch_dim else arr
-        x = np.asarray(a, np.float32)
-        if not np.isfinite(x).all():
-            bad = np.argwhere(~np.isfinite(x))
-            h, t, c = (int(v) for v in bad[0])
-            raise NonFiniteError(f"{name}: {len(bad)} NaN/Inf values (first at head {h}, token {t}, channel {c}); "
-                                 "kvz refuses non-finite input: fix the cache or replace them before compressing")
-        zs = [self.to_frame(x[h], layer, kind, h, 0) for h in range(x.shape[0])]
-        sq_row = [np.einsum("ij,ij->i", xh.astype(np.float64), xh.astype(np.float64)) for xh in x]
-        return x, zs, sq_row
+    # -- input -----------------------------------------------------------------------------------
+    def _rows(self, tensors, ti: int, a: int, b: int) -> np.ndarray:
+        """Native rows ``[a, b)`` of tensor ``ti`` as float32 ``[kv_heads, b - a, d]``."""
+        layer, kind = self.tensors[ti]
+        arr = tensors[_tensor_name(layer, kind)]
+        arr = arr[0] if self.layout.batch_dim else arr
+        view = arr[:, a:b]
+        x = np.asarray(view, np.float32)
+        if self._release is not None:
+            self._release(view)
+        return x
 
-    def _code(self, layer, kind, x, zs, recon, delta_obj, zero_obj, modes=None):
-        """Quantise every head at per-object steps; returns (q [T, H*d], recon per head, modes,
-        per-object squared error)."""
-        S = self.config.object_size
-        T = x.shape[1]
-        delta_rows = np.repeat(np.asarray(delta_obj, np.float32), S)[:T]
-        self.config.scale_sink(delta_rows, 0)
-        zero_rows = np.repeat(zero_obj, S)[:T]
-        delta_rows[zero_rows] = 1.0
-        local = dict(recon)
-        qs, recs, chosen = [], [], []
-        err = np.zeros(len(delta_obj))
-        for h, z in enumerate(zs):
-            b = block_name(kind, layer, h)
-            plan = self.plans[b]
-            if modes is None:
-                m = self._choose(plan, z, local, delta_rows)
-            else:
-                m = modes[h]
-            base = plan.predict(m, local, z.shape[0])
-            q, wh = quantize_residual(z - base, delta_rows, (m & INTERP) != 0, S)
-            rec = base + wh
-            if zero_rows.any():
-                q[zero_rows] = 0
-                rec[zero_rows] = z[zero_rows]
-            local[b] = rec
-            e = self._row_errors(rec, x[h], layer, kind, h)
-            e[zero_rows] = 0.0
-            err += _obj_sums(e, S)
-            qs.append(q)
-            recs.append(rec)
-            chosen.append(m)
-        return np.concatenate(qs, axis=1), recs, np.stack(chosen), err
+    def _norms(self, tensors) -> np.ndarray:
+        """Squared norm of every object ``[n_tensors, n_obj]`` (float64); rejects NaN/Inf."""
+        S, C = self.config.object_size, self.chunk_objects
+        norms = np.zeros((len(self.tensors), self.n_obj))
+        for j0 in range(0, self.n_obj, C):
+            j1 = min(self.n_obj, j0 + C)
+            a, b = j0 * S, min(self.layout.n_tokens, j1 * S)
+            for ti in range(len(self.tensors)):
+                x = self._rows(tensors, ti, a, b)
+                if not np.isfinite(x).all():
+                    bad = np.argwhere(~np.isfinite(x))
+                    h, t, c = (int(v) for v in bad[0])
+                    layer, kind = self.tensors[ti]
+                    raise NonFiniteError(f"{_tensor_name(layer, kind)}: {len(bad)}+ NaN/Inf values (first at head {h}, "
+                                         f"token {a + t}, channel {c}); kvz refuses non-finite input: fix the cache "
+                                         "or replace them before compressing")
+                sq = [np.einsum("ij,ij->i", xh.astype(np.float64), xh.astype(np.float64)) for xh in x]
+                norms[ti, j0:j1] = sum(_obj_sums(v, S) for v in sq)  # per head, then summed: as before
+        return norms
 
-    def _row_errors(self, rec, xh, layer, kind, h) -> np.ndarray:
-        """Squared error per row after the inverse transform and the cast, object by object
-        (float64 temporaries stay one object in size; to_native is elementwise per row)."""
+    # -- coding one head of one chunk ------------------------------------------------------------
+    def _code_head(self, plan, m, z, local, delta_rows, zero_rows, zimg):
+        base = plan.predict(m, local, z.shape[0])
+        q, wh = quantize_residual(z - base, delta_rows, (m & INTERP) != 0, self.config.object_size)
+        rec = base + wh
+        if zero_rows.any():
+            q[zero_rows] = 0
+            rec[zero_rows] = zimg
+        return q, rec
+
+    def _row_errors(self, rec, xh, layer, kind, h, start) -> np.ndarray:
+        """Squared error per row after the inverse transform and the cast, object by object."""
         S = self.config.object_size
         e = np.empty(rec.shape[0])
         for a in range(0, rec.shape[0], S):
-            d = self.to_native(rec[a:a + S], layer, kind, h, a).astype(np.float64) - xh[a:a + S]
+            d = self.to_native(rec[a:a + S], layer, kind, h, start + a).astype(np.float64) - xh[a:a + S]
             e[a:a + S] = np.einsum("ij,ij->i", d, d)
         return e
 
+    def _delta_rows(self, delta_obj, zero_obj, start):
+        S = self.config.object_size
+        n = int(self.obj_rows[start // S:start // S + len(delta_obj)].sum())
+        delta_rows = np.repeat(np.asarray(delta_obj, np.float32), S)[:n]
+        self.config.scale_sink(delta_rows, start)
+        zero_rows = np.repeat(zero_obj, S)[:n]
+        delta_rows[zero_rows] = 1.0
+        return delta_rows, zero_rows
+
+    # -- predictor modes and first steps, on a sample of objects --------------------------------
+    def _sample_objects(self) -> np.ndarray:
+        if self.n_obj <= CHOICE_OBJECTS:
+            return np.arange(self.n_obj)
+        return np.unique(np.linspace(0, self.n_obj - 1, CHOICE_OBJECTS).round().astype(int))
+
+    def _sample_search(self, tensors, norms, zero):
+        """Predictor modes and steps measured on at most :data:`CHOICE_OBJECTS` objects spread
+        over the cache (all of them in short caches, where the result is final).
+
+        Tensor and object scope: tensor by tensor, the modes with the smallest estimated cost at
+        the initial step, then the step search with earlier tensors' sampled rows fixed.
+        Pooled: whole-sample passes at one step. Returns ``(modes, delta [n_tensors, n_obj]
+        float32, token histograms of the sample at delta)``."""
+        S = self.config.object_size
+        objs = self._sample_objects()
+        lay = self.layout
+        H, d = lay.kv_heads, lay.head_dim
+        n_t = len(self.tensors)
+        xs = None if self.scope == "pooled" else [None] * n_t
+        zs_cache: dict = {}
+
+        def sample(ti):
+            if ti not in zs_cache:
+                layer, kind = self.tensors[ti]
+                x = [self._rows(tensors, ti, j * S, j * S + int(self.obj_rows[j])) for j in objs]
+                z = [np.concatenate([self.to_frame(xj[h], layer, kind, h, j * S) for xj, j in zip(x, objs)])
+                     for h in range(H)]
+                zs_cache.clear()  # one tensor's sample at a time
+                zs_cache[ti] = (np.concatenate(x, axis=1), z)
+            return zs_cache[ti]
+
+        def code(ti, delta_obj, local, modes):
+            """Code tensor ``ti``'s sample; returns (modes, per-object error, recs, hist)."""
+            layer, kind = self.tensors[ti]
+            x, z = sample(ti)
+            dr, zr = zip(*(self._delta_rows(delta_obj[k:k + 1], zero[ti, j:j + 1], j * S) for k, j in enumerate(objs)))
+            delta_rows, zero_rows = np.concatenate(dr), np.concatenate(zr)
+            loc = dict(local)
+            err = np.zeros(len(objs))
+            hist = np.zeros((H * d, entropy.N_TOKENS), np.int32)
+            chosen = []
+            for h in range(H):
+                b = block_name(kind, layer, h)
+                plan = self.plans[b]
+                m = self._choose(plan, z[h], loc, delta_rows) if modes is None else modes[h]
+                q, loc[b] = self._code_head(plan, m, z[h], loc, delta_rows, zero_rows, self.zero_image(layer, kind, h))
+                e = np.concatenate([self._row_errors(loc[b][k * S:k * S + int(self.obj_rows[j])], x[h][k * S:],
+                                                     layer, kind, h, j * S) for k, j in enumerate(objs)])
+                e[zero_rows] = 0.0
+                err += _obj_sums(e, S)
+                if (~zero_rows).any():
+                    hist[h * d:(h + 1) * d] = entropy.histogram(np.ascontiguousarray(q[~zero_rows].T))[0]
+                chosen.append(m)
+            return np.stack(chosen), err, {b: loc[b] for b in loc if b not in local}, hist
+
+        rows = self.obj_rows[objs] * H * d
+        modes: list = [None] * n_t
+        hists = np.zeros((n_t, H * d, entropy.N_TOKENS), np.int32)
+        delta = np.zeros((n_t, self.n_obj), np.float32)
+        if self.scope == "pooled":
+            norm = norms[:, objs].sum()
+            target = np.array([self.eps ** 2 * norm])
+            d0 = np.array([max(self.eps * np.sqrt(12.0 * norm / (rows.sum() * n_t)), 1e-30)])
+
+            def evaluate(dl):
+                local: dict = {}
+                total, hs = 0.0, []
+                for ti, (layer, kind) in enumerate(self.tensors):
+                    modes[ti], err, recs, h = code(ti, np.full(len(objs), dl[0], np.float32), local, modes[ti])
+                    local.update(recs)
+                    for b in recs:
+                        self.prune(local, b)
+                    total += float(err.sum())
+                    hs.append(h)
+                return np.array([total]), hs
+
+            dl, hs = _bracket_search(evaluate, d0, target)
+            return modes, np.full(delta.shape, np.float32(dl[0])), np.stack(hs)
+        local: dict = {}
+        for ti in range(n_t):
+            if self.scope == "object":
+                target = self.eps ** 2 * norms[ti, objs]
+                d0 = self.eps * np.sqrt(12.0 * norms[ti, objs] / rows)
+            else:
+                norm = norms[ti, objs].sum()
+                target = np.array([self.eps ** 2 * norm])
+                d0 = np.array([self.eps * np.sqrt(12.0 * norm / rows.sum())])
+            d0 = np.maximum(d0, 1e-30)
+            expand = (lambda dl: dl) if self.scope == "object" else (lambda dl: np.full(len(objs), dl[0]))
+
+            def evaluate(dl):
+                m, err, recs, h = code(ti, expand(dl.astype(np.float32)).astype(np.float32), local, modes[ti])
+                modes[ti] = m
+                return (err if self.scope == "object" else np.array([err.sum()])), (recs, h)
+
+            dl, (recs, hists[ti]) = _bracket_search(evaluate, d0, target, f"{_tensor_name(*self.tensors[ti])}: ")
+            local.update(recs)
+            for b in recs:
+                self.prune(local, b)
+            dl = expand(dl.astype(np.float32))
+            if self.scope == "object":  # unsampled objects: their initial step scaled like the sample's
+                full0 = np.maximum(self.eps * np.sqrt(12.0 * norms[ti] / (self.obj_rows * H * d)), 1e-30)
+                delta[ti] = full0 * float(np.median(dl / d0))
+                delta[ti, objs] = dl
+            else:
+                delta[ti] = dl[0]
+        return modes, delta, hists
+
     def _choose(self, plan, z, local, delta_rows) -> np.ndarray:
-        """Per-channel predictor mode with the smallest estimated cost, measured on at most
-        :data:`CHOICE_OBJECTS` objects spread over the tensor (all of them in short caches)."""
         cfg = self.config
-        S = cfg.object_size
-        n_obj = -(-z.shape[0] // S)
-        rows = None
-        if n_obj > CHOICE_OBJECTS:
-            objs = np.unique(np.linspace(0, n_obj - 1, CHOICE_OBJECTS).round().astype(int))
-            rows = np.concatenate([np.arange(j * S, min((j + 1) * S, z.shape[0])) for j in objs])
-            z, delta_rows = z[rows], delta_rows[rows]
         cands = cfg.candidate_modes(plan.map_u is not None, bool(plan.blend_refs))
         bases = {}
         bits = []
         for m in cands:
             bb = m & 3
             if bb not in bases:
-                bases[bb] = plan.base(bb, local, rows) if bb != ZERO else np.zeros_like(z)
+                bases[bb] = plan.base(bb, local) if bb != ZERO else np.zeros_like(z)
             interp = np.full(z.shape[1], bool(m & INTERP))
             q, _ = quantize_residual(z - bases[bb], delta_rows, interp, cfg.object_size)
             bits.append(channel_entropy_bits(q))
@@ -221,158 +349,154 @@ class Encoder(_Chain):
             return cands[np.argmin(bits, axis=0)]
         return np.full(z.shape[1], cands[int(np.argmin(bits.sum(axis=1)))], np.uint8)
 
-    # -- step search ----------------------------------------------------------------------------
-    def _search(self, layer, kind, x, zs, sq_row, recon, zero_obj):
-        """Largest steps meeting the budget for object/tensor scope; returns the _code result."""
-        S = self.config.object_size
-        norm_obj = sum(_obj_sums(s, S) for s in sq_row)
-        n_obj = len(norm_obj)
-        rows_obj = np.minimum(S, x.shape[1] - S * np.arange(n_obj)) * x.shape[0] * x.shape[2]
+    # -- one pass over the cache -----------------------------------------------------------------
+    def _pass(self, tensors, delta, zero, modes, models=None, progress=None):
+        """Code the whole cache at steps ``delta [n_tensors, n_obj]``, chunk by chunk through
+        every layer. Returns ``(sq_err [n_tensors, n_obj], token histograms per tensor)``;
+        with ``models`` (emission) it is a generator of :class:`EncodedObject` instead."""
+        lay = self.layout
+        S, C = self.config.object_size, self.chunk_objects
+        H, d = lay.kv_heads, lay.head_dim
+        err = np.zeros(delta.shape)
+        hist = np.zeros((len(self.tensors), H * d, entropy.N_TOKENS), np.int32)  # < 2**31 rows per tensor
+        for j0 in range(0, self.n_obj, C):
+            j1 = min(self.n_obj, j0 + C)
+            a, b = j0 * S, min(lay.n_tokens, j1 * S)
+            local: dict = {}
+            for ti, (layer, kind) in enumerate(self.tensors):
+                x = self._rows(tensors, ti, a, b)
+                delta_rows, zero_rows = self._delta_rows(delta[ti, j0:j1], zero[ti, j0:j1], a)
+                q = np.empty((b - a, H * d), np.int32)
+                for h in range(H):
+                    blk = block_name(kind, layer, h)
+                    z = self.to_frame(x[h], layer, kind, h, a)
+                    q[:, h * d:(h + 1) * d], local[blk] = self._code_head(
+                        self.plans[blk], modes[ti][h], z, local, delta_rows, zero_rows, self.zero_image(layer, kind, h))
+                    e = self._row_errors(local[blk], x[h], layer, kind, h, a)
+                    e[zero_rows] = 0.0
+                    err[ti, j0:j1] += _obj_sums(e, S)
+                    self.prune(local, blk)
+                live = ~zero_rows
+                if models is None:
+                    if live.any():
+                        hist[ti] += entropy.histogram(np.ascontiguousarray(q[live].T))[0]
+                    continue
+                for j in range(j0, j1):
+                    r0, r1 = j * S - a, j * S - a + int(self.obj_rows[j])
+                    if zero[ti, j]:
+                        payload, flags = b"", OBJ_ZERO
+                    else:
+                        payload, flags = entropy.encode(np.ascontiguousarray(q[r0:r1].T), models[ti], self.coder), 0
+                    yield EncodedObject(tensor=ti, token_start=j * S, n_tokens=r1 - r0, flags=flags,
+                                        delta=float(delta[ti, j]), sq_err=float(err[ti, j]), sq_norm=0.0,
+                                        payload=payload)
+            if progress:
+                progress(b - a)
+        if models is None:
+            yield err, hist
+
+    def _evaluate(self, *args, **kw):
+        return next(self._pass(*args, **kw))
+
+    # -- step search over the whole cache -------------------------------------------------------
+    def _units(self) -> np.ndarray:
+        """Scope unit of every object ``[n_tensors, n_obj]``."""
+        n_t = len(self.tensors)
         if self.scope == "object":
-            target = self.eps ** 2 * norm_obj
-            d0 = self.eps * np.sqrt(12.0 * norm_obj / rows_obj)
-        else:
-            target = np.array([self.eps ** 2 * norm_obj.sum()])
-            d0 = np.full(1, self.eps * np.sqrt(12.0 * norm_obj.sum() / rows_obj.sum()))
-        d0 = np.maximum(d0, 1e-30)
-        expand = (lambda d: d) if self.scope == "object" else (lambda d: np.full(n_obj, d[0]))
-        lo = np.zeros_like(d0)
-        hi = np.full_like(d0, np.inf)
-        best = None
-        delta = d0.copy()
-        modes = None
-        for it in range(14):
-            res = self._code(layer, kind, x, zs, recon, expand(delta.astype(np.float32)), zero_obj, modes)
-            modes = res[2]
-            e = res[3] if self.scope == "object" else np.array([res[3].sum()])
-            ok = e <= target
-            lo = np.where(ok, np.maximum(lo, delta), lo)
-            hi = np.where(ok, hi, np.minimum(hi, delta))
-            if ok.all():
-                best = (delta.copy(), res)
-                if np.all(e >= target * 0.994):
-                    break
-            ratio = np.sqrt(np.where(e > 0, target / np.maximum(e, 1e-300), 4.0))
-            nxt = delta * np.clip(ratio, 0.5, 2.0) * np.where(ok, 1.0, 0.999)
-            bracket = np.isfinite(hi) & (lo > 0)
-            outside = (nxt <= lo) | (nxt >= hi)
-            nxt = np.where(bracket & outside, np.sqrt(np.maximum(lo, 1e-300) * np.where(np.isfinite(hi), hi, 1.0)), nxt)
-            # Objects already inside [0.994 target, target] keep their step.
-            done = ok & (e >= target * 0.994)
-            delta = np.where(done, delta, np.where(ok, nxt, np.minimum(nxt, delta * 0.999)))
-        if best is None or not np.allclose(best[0], lo):
-            lo = np.where(lo > 0, lo, delta * 0.5)  # units never feasible yet: keep shrinking from the last try
-            res = self._code(layer, kind, x, zs, recon, expand(lo.astype(np.float32)), zero_obj, modes)
-            e = res[3] if self.scope == "object" else np.array([res[3].sum()])
-            while not (e <= target).all():
-                lo = np.where(e <= target, lo, lo * 0.5)
-                if np.all(lo < 1e-30):
-                    raise EncodeError(f"{_tensor_name(layer, kind)}: cannot meet eps={self.eps}")
-                res = self._code(layer, kind, x, zs, recon, expand(lo.astype(np.float32)), zero_obj, modes)
-                e = res[3] if self.scope == "object" else np.array([res[3].sum()])
-            best = (lo, res)
-        return expand(best[0].astype(np.float32)), best[1]
+            return np.arange(n_t * self.n_obj).reshape(n_t, self.n_obj)
+        if self.scope == "tensor":
+            return np.repeat(np.arange(n_t)[:, None], self.n_obj, axis=1)
+        return np.zeros((n_t, self.n_obj), np.int64)
+
+    def _search(self, tensors, norms, zero, progress=None):
+        """Steps (one per scope unit) whose measured errors all meet the budget, searched jointly
+        by whole-cache passes from the sample's steps. Returns ``(delta [n_tensors, n_obj]
+        float32, modes, token histograms at delta)``."""
+        modes, d_sample, hist = self._sample_search(tensors, norms, zero)
+        if self.n_obj <= CHOICE_OBJECTS:
+            return d_sample, modes, hist  # the sample is the whole cache
+        unit = self._units()
+        n_u = int(unit.max()) + 1
+        target = self.eps ** 2 * np.bincount(unit.ravel(), norms.ravel(), n_u)
+        first = np.zeros(n_u)
+        first[unit.ravel()] = d_sample.ravel()
+
+        def evaluate(dl):
+            e, h = self._evaluate(tensors, dl.astype(np.float32)[unit], zero, modes, progress=progress)
+            return np.bincount(unit.ravel(), e.ravel(), n_u), h
+
+        # Aim at the middle of the band: a unit's error drifts a little when other units' steps
+        # change (through predictions), and should stay inside it.
+        dl, hist = _bracket_search(evaluate, first, target, "", aim=0.997, widen=4)
+        return dl.astype(np.float32)[unit], modes, hist
 
     # -- driver ----------------------------------------------------------------------------------
-    def encode(self, tensors: dict, progress=None):
-        """Yield a :class:`TensorMeta` (with its objects) per tensor, in codec order."""
-        lay = self.layout
-        S = self.config.object_size
-        n_obj = -(-lay.n_tokens // S)
-        pooled_delta = None
-        pooled_modes = None
-        if self.scope == "pooled":
-            pooled_delta, pooled_modes = self._pooled_search(tensors, progress)
-        recon: dict = {}
-        for ti, (layer, kind) in enumerate((i, k) for i in range(lay.num_layers) for k in ("K", "V")):
-            x, zs, sq_row = self._prepare(layer, kind, tensors[_tensor_name(layer, kind)])
-            zero_obj = sum(_obj_sums(s, S) for s in sq_row) == 0
-            if self.scope == "pooled":
-                delta = np.full(n_obj, pooled_delta, np.float32)
-                res = self._code(layer, kind, x, zs, recon, delta, zero_obj, pooled_modes[ti])
-            else:
-                delta, res = self._search(layer, kind, x, zs, sq_row, recon, zero_obj)
-            q, recs, modes, err = res
-            for h, rec in enumerate(recs):
-                b = block_name(kind, layer, h)
-                recon[b] = rec
-                self.prune(recon, b)
-            yield self._emit(ti, layer, kind, q, modes, err, sq_row, delta, zero_obj)
-            if progress:
-                progress(1)
+    def encode(self, tensors: dict, progress=None, release=None):
+        """Yield every :class:`EncodedObject`, chunk-major (all tensors of object chunk 0, then
+        chunk 1, ...); :attr:`metas` is filled when the generator is exhausted. ``progress(n)``
+        is called with the positions coded in each pass (the number of passes is not known
+        in advance)."""
+        self._release = release
+        norms = self._norms(tensors)
+        zero = norms == 0
+        delta, modes, hist = self._search(tensors, norms, zero, progress)
+        models = [entropy.models_from_histogram(h) if not z.all() else np.zeros(h.shape[0], np.uint8)
+                  for h, z in zip(hist, zero)]
+        err = np.zeros(delta.shape)
+        for ob in self._pass(tensors, delta, zero, modes, models, progress):
+            ob.sq_norm = float(norms[ob.tensor, ob.token_start // self.config.object_size])
+            err[ob.tensor, ob.token_start // self.config.object_size] = ob.sq_err
+            yield ob
+        self.metas = [TensorMeta(name=_tensor_name(layer, kind), modes=modes[ti].astype(np.uint8), models=models[ti],
+                                 sq_err=float(err[ti].sum()), sq_norm=float(norms[ti].sum()))
+                      for ti, (layer, kind) in enumerate(self.tensors)]
 
-    def _pooled_search(self, tensors, progress):
-        lay = self.layout
-        total_norm = 0.0
-        for name in lay.tensor_names():
-            a = np.asarray(tensors[name], np.float64)
-            total_norm += float(np.sum(a * a))
-        target = self.eps ** 2 * total_norm
-        delta = max(self.eps * np.sqrt(12.0 * total_norm / lay.n_values), 1e-30)
-        modes = None
-        lo, hi, best = 0.0, np.inf, None
-        for it in range(10):
-            err, modes_it = self._pass(tensors, delta, modes, progress)
-            modes = modes_it
-            if err <= target:
-                lo = max(lo, delta)
-                best = delta
-                if err >= target * 0.994:
-                    break
-            else:
-                hi = min(hi, delta)
-            nxt = delta * float(np.clip(np.sqrt(target / max(err, 1e-300)), 0.5, 2.0))
-            if np.isfinite(hi) and lo > 0 and not (lo < nxt < hi):
-                nxt = float(np.sqrt(lo * hi))
-            delta = nxt if err <= target else min(nxt, delta * 0.999)
-        while best is None:
-            delta *= 0.5
-            err, _ = self._pass(tensors, delta, modes, progress)
-            if err <= target:
-                best = delta
-        return float(np.float32(best)), modes
 
-    def _pass(self, tensors, delta, modes, progress=None):
-        lay = self.layout
-        S = self.config.object_size
-        n_obj = -(-lay.n_tokens // S)
-        recon: dict = {}
-        total = 0.0
-        out_modes = []
-        for ti, (layer, kind) in enumerate((i, k) for i in range(lay.num_layers) for k in ("K", "V")):
-            x, zs, sq_row = self._prepare(layer, kind, tensors[_tensor_name(layer, kind)])
-            zero_obj = sum(_obj_sums(s, S) for s in sq_row) == 0
-            _, recs, m, err = self._code(layer, kind, x, zs, recon, np.full(n_obj, delta, np.float32), zero_obj,
-                                         None if modes is None else modes[ti])
-            out_modes.append(m)
-            if progress:
-                progress(1)
-            total += float(err.sum())
-            for h, rec in enumerate(recs):
-                b = block_name(kind, layer, h)
-                recon[b] = rec
-                self.prune(recon, b)
-        return total, out_modes
-
-    def _emit(self, ti, layer, kind, q, modes, err, sq_row, delta, zero_obj) -> TensorMeta:
-        S = self.config.object_size
-        T = q.shape[0]
-        norm_obj = sum(_obj_sums(s, S) for s in sq_row)
-        live = ~np.repeat(zero_obj, S)[:T]
-        models = entropy.choose_models(np.ascontiguousarray(q[live].T)) if live.any() else \
-            np.zeros(q.shape[1], np.uint8)
-        meta = TensorMeta(name=_tensor_name(layer, kind), modes=modes.astype(np.uint8), models=models,
-                          sq_err=float(err.sum()), sq_norm=float(norm_obj.sum()))
-        for j in range(len(delta)):
-            a, b = j * S, min(T, (j + 1) * S)
-            if zero_obj[j]:
-                payload, flags = b"", OBJ_ZERO
-            else:
-                payload, flags = entropy.encode(np.ascontiguousarray(q[a:b].T), models, self.coder), 0
-            meta.objects.append(EncodedObject(tensor=ti, token_start=a, n_tokens=b - a, flags=flags,
-                                              delta=float(delta[j]), sq_err=float(err[j]),
-                                              sq_norm=float(norm_obj[j]), payload=payload))
-        return meta
+def _bracket_search(evaluate, d0, target, what: str = "", aim: float = 1.0, iters: int = 14, widen: int = 0):
+    """Largest steps ``d`` (one per unit) with ``evaluate(d)[0] <= target``, each within 0.6 % of
+    its target where possible. ``evaluate(d)`` returns ``(errors per unit, result)``; returns
+    ``(d, result at d)``. Errors grow with the step (about as its square); the next try scales
+    each step by ``sqrt(aim * target / error)`` inside the bracket of feasible/infeasible
+    steps seen so far. Units interact only weakly, so each keeps its own bracket. With
+    ``widen = k``, the 0.6 % band doubles after every try from the k-th on (whole-cache passes
+    are expensive; a unit a little under its budget costs a few thousandths of a bit)."""
+    lo = np.zeros_like(d0)
+    hi = np.full_like(d0, np.inf)
+    best = None
+    delta = d0.copy()
+    e = None
+    for it in range(iters):
+        e, res = evaluate(delta)
+        ok = e <= target
+        lo = np.where(ok, np.maximum(lo, delta), lo)
+        hi = np.where(ok, hi, np.minimum(hi, delta))
+        band = 0.006 * (2.0 ** max(0, it + 1 - widen) if widen else 1.0)
+        if ok.all():
+            best = (delta.copy(), res)
+            if np.all(e >= target * (1.0 - band)):
+                return best
+        ratio = np.sqrt(np.where(e > 0, aim * target / np.maximum(e, 1e-300), 4.0))
+        nxt = delta * np.clip(ratio, 0.5, 2.0) * np.where(ok, 1.0, 0.999)
+        bracket = np.isfinite(hi) & (lo > 0)
+        outside = (nxt <= lo) | (nxt >= hi)
+        nxt = np.where(bracket & outside, np.sqrt(np.maximum(lo, 1e-300) * np.where(np.isfinite(hi), hi, 1.0)), nxt)
+        # Units already inside the band below their target keep their step.
+        done = ok & (e >= target * (1.0 - band))
+        delta = np.where(done, delta, np.where(ok, nxt, np.minimum(nxt, delta * 0.999)))
+    if best is not None and np.allclose(best[0], lo):
+        return best
+    # Each unit's largest feasible step, tried together; if that fails (units interacting), the
+    # last all-feasible try is kept; without one, failing units halve until all are met.
+    cand = np.where(lo > 0, lo, delta * 0.5)
+    e, res = evaluate(cand)
+    while not (e <= target).all():
+        if best is not None:
+            return best
+        cand = np.where(e <= target, cand, cand * 0.5)
+        if np.any(cand[e > target] < 1e-30):
+            raise EncodeError(f"{what}cannot meet the error budget (eps too small for this data?)")
+        e, res = evaluate(cand)
+    return cand, res
 
 
 class Decoder(_Chain):
@@ -436,8 +560,7 @@ class Decoder(_Chain):
                     wh = dequantize_residual(qh[interp].T, delta_rows, np.ones(len(interp), bool), S)
                     rec[:, interp] = base[:, interp] + wh
                 if zr.any():
-                    rec[zr] = self.to_frame(np.zeros((int(zr.sum()), d), np.float32), layer, kind, h,
-                                            start)  # zero rows: frame image of 0 (RoPE(0) = 0)
+                    rec[zr] = self.zero_image(layer, kind, h)
                 recon[blk] = rec
                 x = self.to_native(rec, layer, kind, h, start)
                 if zr.any():

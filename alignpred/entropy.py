@@ -132,6 +132,16 @@ def histogram(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rans.histogram(q, N_TOKENS)
 
 
+def models_from_histogram(hist: np.ndarray) -> np.ndarray:
+    """Best model id per channel (uint8 [C]) for token histograms ``hist`` (int64 [C, 128], as
+    from :func:`histogram`, possibly summed over objects); see :func:`choose_models`."""
+    hist = np.ascontiguousarray(hist, np.int64)
+    if hist.shape[0] == 0:
+        return np.zeros(0, np.uint8)
+    costs = rans.model_costs(hist, _load_tables().cost_fx)
+    return np.argmin(costs, axis=1).astype(np.uint8)
+
+
 def choose_models(q: np.ndarray) -> np.ndarray:
     """Best model id per channel (uint8 [C]) for ``q`` (int32 [C, N], any N).
 
@@ -143,12 +153,7 @@ def choose_models(q: np.ndarray) -> np.ndarray:
     >>> ids.dtype, ids.shape, bool(ids[0] == ids[2])
     (dtype('uint8'), (3,), True)
     """
-    q = _as_q(q, ValueError)
-    if q.shape[0] == 0:
-        return np.zeros(0, np.uint8)
-    hist, _ = rans.histogram(q, N_TOKENS)
-    costs = rans.model_costs(hist, _load_tables().cost_fx)
-    return np.argmin(costs, axis=1).astype(np.uint8)
+    return models_from_histogram(histogram(q)[0])
 
 
 def estimate_bits(q: np.ndarray, model_ids: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,46 +103,68 @@ def _compress(cache, out_path, *, eps, bank, scope, config, embed_bank, coder, p
         raise KvzError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
     enc = Encoder(lay, bank, config, eps, scope, coder)
     bank_bytes = bank.to_bytes() if embed_bank else b""
-    metas: list[TensorMeta] = []
-    entries: list[IndexEntry] = []
-    state = {"bytes": 0}
+    n_obj = enc.n_obj
+    buf = getattr(cache, "buf", None)
+    # The encoder emits objects chunk-major (all tensors of positions 0..2047, then the next
+    # 2048, ...); the file holds them tensor-major. They wait in an anonymous spool file next to
+    # the output (unlinked at once: nothing is left behind on a crash), not in memory.
+    spool = tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(os.fspath(out_path))))
+    try:
+        where = np.zeros((2 * lay.num_layers * n_obj, 2), np.int64)  # spool offset, length
+        obs: list = [None] * len(where)
+        pos = 0
+        try:
+            for ob in enc.encode(cache.tensors, progress, release=lambda view: release_pages(buf, view)):
+                k = ob.tensor * n_obj + ob.token_start // config.object_size
+                spool.write(ob.payload)
+                where[k] = pos, len(ob.payload)
+                pos += len(ob.payload)
+                ob.payload = b""
+                obs[k] = ob
+            spool.flush()
+        except OSError as e:  # name the output: the spool file has no name of its own
+            raise OSError(e.errno, f"{e.strerror} (temporary spool for the output)", os.fspath(out_path)) from None
+        metas: list[TensorMeta] = enc.metas
+        entries: list[IndexEntry] = []
+        state = {"bytes": 0}
 
-    def chunks():
-        yield pack_preamble()
-        off = PREAMBLE_SIZE
-        for meta in enc.encode(cache.tensors, progress):
-            for ob in meta.objects:
-                entries.append(IndexEntry(ob.tensor, ob.token_start, ob.n_tokens, ob.flags, off, len(ob.payload),
-                                          ob.delta, ob.sq_err, ob.sq_norm, crc32(ob.payload)))
-                off += len(ob.payload)
-                yield ob.payload
-            meta.objects = []
-            metas.append(meta)
-            release_pages(getattr(cache, "buf", None))  # input pages read so far leave the RSS
-        bank_info = {"id": bank.id, "model": bank.model, "embedded": None}
-        if embed_bank:
-            bank_info["embedded"] = {"offset": off, "length": len(bank_bytes), "crc32": crc32(bank_bytes)}
-            off += len(bank_bytes)
-            yield bank_bytes
-        header = {
-            "format": "kvz", "version": [MAJOR, MINOR], "flags": 0, "created_by": f"kvz {__version__}",
-            "layout": lay.to_json(),
-            "codec": {"name": "alignpred", "config": config.to_json(), "eps": eps, "eps_scope": scope,
-                      "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": entropy.PREC}},
-            "bank": bank_info,
-            "tensors": [{"name": m.name, "modes": _b64(m.modes), "models": _b64(m.models), "sq_err": m.sq_err,
-                         "sq_norm": m.sq_norm} for m in metas],
-            "source_metadata": {k: v for k, v in cache.metadata.items() if k != "token_ids"},
-        }
-        hb = dump_header(header)
-        ib = b"".join(e.pack() for e in entries)
-        ft = Footer(off, len(hb), off + len(hb), len(ib), crc32(hb), crc32(ib))
-        yield hb
-        yield ib
-        yield ft.pack()
-        state["bytes"] = off + len(hb) + len(ib) + FOOTER_SIZE
+        def chunks():
+            yield pack_preamble()
+            off = PREAMBLE_SIZE
+            for k, ob in enumerate(obs):
+                payload = os.pread(spool.fileno(), int(where[k, 1]), int(where[k, 0])) if where[k, 1] else b""
+                if len(payload) != where[k, 1]:
+                    raise KvzError("the temporary spool file was truncated while compressing")
+                entries.append(IndexEntry(ob.tensor, ob.token_start, ob.n_tokens, ob.flags, off, len(payload),
+                                          ob.delta, ob.sq_err, ob.sq_norm, crc32(payload)))
+                off += len(payload)
+                yield payload
+            bank_info = {"id": bank.id, "model": bank.model, "embedded": None}
+            if embed_bank:
+                bank_info["embedded"] = {"offset": off, "length": len(bank_bytes), "crc32": crc32(bank_bytes)}
+                off += len(bank_bytes)
+                yield bank_bytes
+            header = {
+                "format": "kvz", "version": [MAJOR, MINOR], "flags": 0, "created_by": f"kvz {__version__}",
+                "layout": lay.to_json(),
+                "codec": {"name": "alignpred", "config": config.to_json(), "eps": eps, "eps_scope": scope,
+                          "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": entropy.PREC}},
+                "bank": bank_info,
+                "tensors": [{"name": m.name, "modes": _b64(m.modes), "models": _b64(m.models), "sq_err": m.sq_err,
+                             "sq_norm": m.sq_norm} for m in metas],
+                "source_metadata": {k: v for k, v in cache.metadata.items() if k != "token_ids"},
+            }
+            hb = dump_header(header)
+            ib = b"".join(e.pack() for e in entries)
+            ft = Footer(off, len(hb), off + len(hb), len(ib), crc32(hb), crc32(ib))
+            yield hb
+            yield ib
+            yield ft.pack()
+            state["bytes"] = off + len(hb) + len(ib) + FOOTER_SIZE
 
-    atomic_write(out_path, chunks())
+        atomic_write(out_path, chunks())
+    finally:
+        spool.close()
     tens = {m.name: math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0 for m in metas}
     tot_e = sum(m.sq_err for m in metas)
     tot_n = sum(m.sq_norm for m in metas)

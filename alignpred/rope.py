@@ -20,7 +20,7 @@ import numpy as np
 _BLOCK = 256
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=16)  # 4 MiB at d = 256: the blocks of one 2,048-position chunk, for two thetas
 def _block(theta: float, d: int, k: int):
     """cos/sin for positions ``[k*256, (k+1)*256)``: always computed in the same aligned blocks,
     so a position's value never depends on which range was asked for."""
@@ -29,7 +29,6 @@ def _block(theta: float, d: int, k: int):
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-@lru_cache(maxsize=64)
 def _tables(theta: float, d: int, start: int, n: int):
     ks = range(start // _BLOCK, (start + n - 1) // _BLOCK + 1) if n else range(0)
     if not n:

@@ -31,10 +31,11 @@ def _errors(fn):
     return wrapper
 
 
-def _progress(total: int, desc: str, quiet: bool):
+def _progress(total: int | None, desc: str, quiet: bool, unit: str = "tensor"):
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=quiet or None, leave=False)
+    bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=quiet or None,
+               leave=False)
     return bar
 
 
@@ -82,9 +83,9 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
     b = fit_bank([cache], rank=rank or None, rotations=align) if self_calibrate else Bank.load(bank)
     cfg = CodecConfig(align=align, inter_map=not no_map, blend=blend, intra=not no_intra,
                       channel_choice=not no_channel_choice, rope_undo=not no_rope_undo, sink_tokens=max(0, sink_tokens))
-    n = 2 * cache.layout.num_layers
-    # pooled: a few whole-cache passes of the step search, then the final one (count unknown)
-    with _progress(None if eps_scope == "pooled" else n, "compress", quiet) as bar:
+    # The step search makes several whole-cache passes (their number is not known in advance):
+    # the bar counts positions coded over all passes.
+    with _progress(None, "compress", quiet, unit="pos") as bar:
         info = compress_cache(cache, out, eps=eps, bank=b, scope=eps_scope, config=cfg, embed_bank=self_calibrate,
                               progress=bar.update)
     res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "bpv": info.bpv,
@@ -128,10 +129,7 @@ def decompress(src, out, bank, tokens, layers, as_json, quiet):
     n_layers = layers or lay.num_layers
     _ = r.decoder  # resolve the bank (and fail on a wrong one) before creating the output
     a, b = rng or (0, lay.n_tokens)
-    from tqdm import tqdm
-
-    with tqdm(total=b - a, desc="decompress", unit="tok", file=sys.stderr, disable=quiet or None,
-              leave=False) as bar:
+    with _progress(b - a, "decompress", quiet, unit="pos") as bar:
         r.decompress_to(out, rng, n_layers, progress=bar.update)
     specs = lay.tensor_names()[:2 * n_layers]
     _emit({"input": src, "output": out, "tensors": len(specs)}, as_json, [f"{out}: {len(specs)} tensors"])
