@@ -51,27 +51,34 @@ class Bank:
     arrays: dict = field(repr=False)
 
     # -- canonical bytes and id ---------------------------------------------------------------
-    def to_bytes(self) -> bytes:
+    def _canonical_parts(self):
+        """The canonical bytes in pieces: magic, manifest length, manifest, then each array."""
         names = sorted(self.arrays)
         entries, blobs, off = [], [], 0
         for n in names:
             a = np.ascontiguousarray(self.arrays[n])
             if a.dtype.name not in _DTYPES:
                 raise KvzError(f"bank array {n} has dtype {a.dtype}; banks store float16/float32")
-            raw = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+            a = a.astype(a.dtype.newbyteorder("<"), copy=False)
             entries.append({"name": n, "dtype": a.dtype.name, "shape": list(a.shape), "offset": off,
-                            "length": len(raw)})
-            blobs.append(raw)
-            off += len(raw)
+                            "length": a.nbytes})
+            blobs.append(a)
+            off += a.nbytes
         manifest = {"format": FORMAT, "version": VERSION, "model": self.model, "signature": self.signature,
                     "config": self.config, "arrays": entries}
         mb = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-        return MAGIC + struct.pack("<Q", len(mb)) + mb + b"".join(blobs)
+        return [MAGIC + struct.pack("<Q", len(mb)) + mb] + [memoryview(a).cast("B") for a in blobs]
+
+    def to_bytes(self) -> bytes:
+        return b"".join(self._canonical_parts())
 
     @cached_property
     def id(self) -> str:
-        """``sha256:<hex>`` of the canonical bytes."""
-        return "sha256:" + hashlib.sha256(self.to_bytes()).hexdigest()
+        """``sha256:<hex>`` of the canonical bytes (hashed piece by piece: no copy of the bank)."""
+        h = hashlib.sha256()
+        for part in self._canonical_parts():
+            h.update(part)
+        return "sha256:" + h.hexdigest()
 
     @classmethod
     def from_bytes(cls, buf) -> "Bank":
@@ -179,8 +186,8 @@ class Bank:
     def map_factors(self, block: str):
         """``(U, Vt)`` of a low-rank map, ``(W, None)`` of a full one, or None."""
         w = self.arrays.get(f"map/{block}/W")
-        if w is not None:
-            return np.asarray(w, np.float32), None
+        if w is not None:  # in its stored dtype (float16 or float32): widen before use
+            return np.asarray(w), None
         u = self.arrays.get(f"map/{block}/U")
         if u is None:
             return None

@@ -141,11 +141,11 @@ class Encoder(_Chain):
     (:meth:`encode` yields them; :attr:`metas` holds the per-tensor parameters afterwards).
 
     ``release(view)`` (optional) is called with every input slice once it has been read, e.g.
-    to drop its mapped pages from the resident set.
+    to drop mapped input pages from the resident set.
     """
 
     def __init__(self, layout, bank, config: CodecConfig, eps: float, scope: str = "tensor", coder: str = "rans4",
-                 chunk_objects: int = 8):
+                 chunk_objects: int = 2):
         super().__init__(layout, bank, config, coder)
         if not (0.0 < eps < 1.0):
             raise EncodeError(f"eps must be in (0, 1), got {eps}")
@@ -334,16 +334,14 @@ class Encoder(_Chain):
     def _choose(self, plan, z, local, delta_rows) -> np.ndarray:
         cfg = self.config
         cands = cfg.candidate_modes(plan.map_u is not None, bool(plan.blend_refs))
-        bases = {}
-        bits = []
-        for m in cands:
-            bb = m & 3
-            if bb not in bases:
-                bases[bb] = plan.base(bb, local) if bb != ZERO else np.zeros_like(z)
-            interp = np.full(z.shape[1], bool(m & INTERP))
-            q, _ = quantize_residual(z - bases[bb], delta_rows, interp, cfg.object_size)
-            bits.append(channel_entropy_bits(q))
-        bits = np.stack(bits)  # [n_modes, d]
+        bases = {bb: plan.base(bb, local) for bb in {m & 3 for m in cands} if bb != ZERO}
+        bits = np.empty((len(cands), z.shape[1]))  # [n_modes, d]
+        for c0 in range(0, z.shape[1], 64):  # channels are independent: small temporaries
+            cs = slice(c0, c0 + 64)
+            for k, m in enumerate(cands):
+                w = z[:, cs] - bases[m & 3][:, cs] if m & 3 != ZERO else z[:, cs]
+                q, _ = quantize_residual(w, delta_rows, np.full(w.shape[1], bool(m & INTERP)), cfg.object_size)
+                bits[k, cs] = channel_entropy_bits(q)
         cands = np.array(cands, np.uint8)
         if cfg.channel_choice:
             return cands[np.argmin(bits, axis=0)]

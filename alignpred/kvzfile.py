@@ -114,7 +114,7 @@ def _compress(cache, out_path, *, eps, bank, scope, config, embed_bank, coder, p
         obs: list = [None] * len(where)
         pos = 0
         try:
-            for ob in enc.encode(cache.tensors, progress, release=lambda view: release_pages(buf, view)):
+            for ob in enc.encode(cache.tensors, progress, release=lambda view: release_pages(buf)):
                 k = ob.tensor * n_obj + ob.token_start // config.object_size
                 spool.write(ob.payload)
                 where[k] = pos, len(ob.payload)
@@ -164,7 +164,10 @@ def _compress(cache, out_path, *, eps, bank, scope, config, embed_bank, coder, p
 
         atomic_write(out_path, chunks())
     finally:
-        spool.close()
+        try:
+            spool.close()  # unlinked already; a failed flush of its last bytes does not matter
+        except OSError:
+            pass
     tens = {m.name: math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0 for m in metas}
     tot_e = sum(m.sq_err for m in metas)
     tot_n = sum(m.sq_norm for m in metas)

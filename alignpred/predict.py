@@ -108,10 +108,11 @@ class BlockPlan:
             src = [recon[s] if rows is None else recon[s][rows] for s in self.map_sources]
             n = src[0].shape[0]
             out = np.empty((n, self.mean.shape[0]), np.float32)
+            u = self.map_u.astype(np.float32, copy=False)  # float16 banks: widened per call (exact)
             for a in range(0, n, self.object_size):
                 y = None
                 for k, x in enumerate(src):
-                    t = x[a:a + self.object_size] @ self.map_u[k * d_src:(k + 1) * d_src]
+                    t = x[a:a + self.object_size] @ u[k * d_src:(k + 1) * d_src]
                     y = t if y is None else y + t
                 out[a:a + self.object_size] = y if self.map_vt is None else y @ self.map_vt
             return out
@@ -166,7 +167,10 @@ def build_plans(layout, bank, config: CodecConfig) -> dict[str, BlockPlan]:
                     u = u @ p.rot
                 else:
                     vt = vt @ p.rot
-            p.map_u = np.ascontiguousarray(u, np.float32)
+            # A full map straight from the bank stays in its stored dtype (float16 halves the
+            # memory of the bundled bank's maps); ``base`` widens it to float32, exactly.
+            keep = vt is None and not config.align and u.dtype in (np.float16, np.float32) and u.flags.c_contiguous
+            p.map_u = u if keep else np.ascontiguousarray(u, np.float32)
             p.map_vt = None if vt is None else np.ascontiguousarray(vt, np.float32)
         if config.blend:
             g = bank.group_of(b)

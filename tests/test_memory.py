@@ -79,3 +79,22 @@ def test_streaming_memory_is_flat_in_layers(tmp_path):
     for cmd in ("compress", "decompress"):
         growth = peaks[(cmd, 10)] - peaks[(cmd, 2)]
         assert growth < 8, f"{cmd}: peak anonymous memory grows with layers ({report})"
+
+
+def test_compress_memory_is_flat_in_tokens(tmp_path):
+    """The encoder works object chunk by object chunk: 4x the tokens (random data, so the step
+    search does real passes) must not raise its peak anonymous memory by more than 8 MiB. The
+    tensor-wide encoder it replaced grew by ~6 float32 copies of a tensor (+~70 MiB here)."""
+    rng = np.random.default_rng(0)
+    peaks = {}
+    for T in (2048, 8192):
+        t = {f"layers.{i}.{k}": rng.standard_normal((2, T, 128)).astype(np.float16) for i in range(2)
+             for k in ("key", "value")}
+        save_cache(tmp_path / f"r{T}.safetensors", t, {"model": "random"})
+        if T == 2048:
+            small = {k: v[:, :256].astype(np.float32) for k, v in t.items()}
+            fit_bank([Cache(small, {}, infer_layout(small))], rank=4, rotations=False).save(tmp_path / "b.h5")
+        del t
+        peaks[T] = peak_anon_mib(["compress", f"r{T}.safetensors", "--bank", "b.h5", "-q"], tmp_path)
+    print("peak RssAnon (MiB):", peaks)
+    assert peaks[8192] - peaks[2048] < 8, f"compress peak anonymous memory grows with tokens: {peaks}"
