@@ -156,6 +156,7 @@ class Encoder(_Chain):
         self.chunk_objects = max(1, int(chunk_objects))
         self.metas: list[TensorMeta] = []
         self._release = None
+        self._early = None
         lay = layout
         S = config.object_size
         self.n_obj = -(-lay.n_tokens // S)
@@ -264,11 +265,13 @@ class Encoder(_Chain):
             err = np.zeros(len(objs))
             hist = np.zeros((H * d, entropy.N_TOKENS), np.int32)
             chosen = []
+            q_all = np.empty((len(delta_rows), H * d), np.int32)
             for h in range(H):
                 b = block_name(kind, layer, h)
                 plan = self.plans[b]
                 m = self._choose(plan, z[h], loc, delta_rows) if modes is None else modes[h]
                 q, loc[b] = self._code_head(plan, m, z[h], loc, delta_rows, zero_rows, self.zero_image(layer, kind, h))
+                q_all[:, h * d:(h + 1) * d] = q
                 e = np.concatenate([self._row_errors(loc[b][k * S:k * S + int(self.obj_rows[j])], x[h][k * S:],
                                                      layer, kind, h, j * S) for k, j in enumerate(objs)])
                 e[zero_rows] = 0.0
@@ -276,7 +279,7 @@ class Encoder(_Chain):
                 if (~zero_rows).any():
                     hist[h * d:(h + 1) * d] = entropy.histogram(np.ascontiguousarray(q[~zero_rows].T))[0]
                 chosen.append(m)
-            return np.stack(chosen), err, {b: loc[b] for b in loc if b not in local}, hist
+            return np.stack(chosen), err, {b: loc[b] for b in loc if b not in local}, hist, q_all
 
         rows = self.obj_rows[objs] * H * d
         modes: list = [None] * n_t
@@ -291,7 +294,7 @@ class Encoder(_Chain):
                 local: dict = {}
                 total, hs = 0.0, []
                 for ti, (layer, kind) in enumerate(self.tensors):
-                    modes[ti], err, recs, h = code(ti, np.full(len(objs), dl[0], np.float32), local, modes[ti])
+                    modes[ti], err, recs, h, _ = code(ti, np.full(len(objs), dl[0], np.float32), local, modes[ti])
                     local.update(recs)
                     for b in recs:
                         self.prune(local, b)
@@ -314,11 +317,12 @@ class Encoder(_Chain):
             expand = (lambda dl: dl) if self.scope == "object" else (lambda dl: np.full(len(objs), dl[0]))
 
             def evaluate(dl):
-                m, err, recs, h = code(ti, expand(dl.astype(np.float32)).astype(np.float32), local, modes[ti])
+                m, err, recs, h, q = code(ti, expand(dl.astype(np.float32)).astype(np.float32), local, modes[ti])
                 modes[ti] = m
-                return (err if self.scope == "object" else np.array([err.sum()])), (recs, h)
+                return (err if self.scope == "object" else np.array([err.sum()])), (recs, h, q, err)
 
-            dl, (recs, hists[ti]) = _bracket_search(evaluate, d0, target, f"{_tensor_name(*self.tensors[ti])}: ")
+            dl, (recs, hists[ti], q, err) = _bracket_search(evaluate, d0, target,
+                                                            f"{_tensor_name(*self.tensors[ti])}: ")
             local.update(recs)
             for b in recs:
                 self.prune(local, b)
@@ -329,6 +333,10 @@ class Encoder(_Chain):
                 delta[ti, objs] = dl
             else:
                 delta[ti] = dl[0]
+            if self.n_obj <= CHOICE_OBJECTS:  # the sample is the cache: this tensor is final
+                models = self._models(hists[ti], zero[ti])
+                self._early["models"].append(models)
+                self._early["objects"].extend(self._objects(ti, q, 0, self.n_obj, 0, delta, zero, err, models))
         return modes, delta, hists
 
     def _choose(self, plan, z, local, delta_rows) -> np.ndarray:
@@ -379,19 +387,28 @@ class Encoder(_Chain):
                     if live.any():
                         hist[ti] += entropy.histogram(np.ascontiguousarray(q[live].T))[0]
                     continue
-                for j in range(j0, j1):
-                    r0, r1 = j * S - a, j * S - a + int(self.obj_rows[j])
-                    if zero[ti, j]:
-                        payload, flags = b"", OBJ_ZERO
-                    else:
-                        payload, flags = entropy.encode(np.ascontiguousarray(q[r0:r1].T), models[ti], self.coder), 0
-                    yield EncodedObject(tensor=ti, token_start=j * S, n_tokens=r1 - r0, flags=flags,
-                                        delta=float(delta[ti, j]), sq_err=float(err[ti, j]), sq_norm=0.0,
-                                        payload=payload)
+                yield from self._objects(ti, q, j0, j1, a, delta, zero, err[ti, j0:j1], models[ti])
             if progress:
                 progress(b - a)
         if models is None:
             yield err, hist
+
+    def _objects(self, ti, q, j0, j1, a, delta, zero, err, models):
+        """Entropy-code objects ``j0..j1-1`` of tensor ``ti`` from ``q`` (rows from position
+        ``a``); ``err`` holds their squared errors."""
+        S = self.config.object_size
+        for j in range(j0, j1):
+            r0, r1 = j * S - a, j * S - a + int(self.obj_rows[j])
+            if zero[ti, j]:
+                payload, flags = b"", OBJ_ZERO
+            else:
+                payload, flags = entropy.encode(np.ascontiguousarray(q[r0:r1].T), models, self.coder), 0
+            yield EncodedObject(tensor=ti, token_start=j * S, n_tokens=r1 - r0, flags=flags,
+                                delta=float(delta[ti, j]), sq_err=float(err[j - j0]), sq_norm=0.0, payload=payload)
+
+    @staticmethod
+    def _models(hist, zero) -> np.ndarray:
+        return entropy.models_from_histogram(hist) if not zero.all() else np.zeros(hist.shape[0], np.uint8)
 
     def _evaluate(self, *args, **kw):
         return next(self._pass(*args, **kw))
@@ -437,11 +454,19 @@ class Encoder(_Chain):
         self._release = release
         norms = self._norms(tensors)
         zero = norms == 0
+        # Short caches (tensor/object scope) are final after the sample search, which codes each
+        # tensor's objects as it goes (models first, then its objects); otherwise one more pass.
+        early = {"models": [], "objects": []}
+        self._early = early if self.n_obj <= CHOICE_OBJECTS and self.scope != "pooled" else None
         delta, modes, hist = self._search(tensors, norms, zero, progress)
-        models = [entropy.models_from_histogram(h) if not z.all() else np.zeros(h.shape[0], np.uint8)
-                  for h, z in zip(hist, zero)]
+        if self._early is not None:
+            models, emitted = early["models"], early["objects"]
+        else:
+            models = [self._models(h, z) for h, z in zip(hist, zero)]
+            emitted = self._pass(tensors, delta, zero, modes, models, progress)
+        self._early = None
         err = np.zeros(delta.shape)
-        for ob in self._pass(tensors, delta, zero, modes, models, progress):
+        for ob in emitted:
             ob.sq_norm = float(norms[ob.tensor, ob.token_start // self.config.object_size])
             err[ob.tensor, ob.token_start // self.config.object_size] = ob.sq_err
             yield ob

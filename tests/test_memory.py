@@ -84,7 +84,7 @@ def test_streaming_memory_is_flat_in_layers(tmp_path):
 def test_compress_memory_is_flat_in_tokens(tmp_path):
     """The encoder works object chunk by object chunk: 4x the tokens (random data, so the step
     search does real passes) must not raise its peak anonymous memory by more than 8 MiB. The
-    tensor-wide encoder it replaced grew by ~6 float32 copies of a tensor (+~70 MiB here)."""
+    tensor-wide encoder it replaced grew by +73 MiB here (measured: 109.8 -> 182.9 MiB)."""
     rng = np.random.default_rng(0)
     peaks = {}
     for T in (2048, 8192):
