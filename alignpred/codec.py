@@ -229,7 +229,7 @@ class Encoder(_Chain):
             return np.arange(self.n_obj)
         return np.unique(np.linspace(0, self.n_obj - 1, CHOICE_OBJECTS).round().astype(int))
 
-    def _sample_search(self, tensors, norms, zero):
+    def _sample_search(self, tensors, norms, zero, progress=None):
         """Predictor modes and steps measured on at most :data:`CHOICE_OBJECTS` objects spread
         over the cache (all of them in short caches, where the result is final).
 
@@ -333,6 +333,8 @@ class Encoder(_Chain):
                 delta[ti, objs] = dl
             else:
                 delta[ti] = dl[0]
+            if progress:  # in positions of the whole cache, like the passes
+                progress(int(self.obj_rows[objs].sum()) / n_t)
             if self.n_obj <= CHOICE_OBJECTS:  # the sample is the cache: this tensor is final
                 models = self._models(hists[ti], zero[ti])
                 self._early["models"].append(models)
@@ -427,7 +429,7 @@ class Encoder(_Chain):
         """Steps (one per scope unit) whose measured errors all meet the budget, searched jointly
         by whole-cache passes from the sample's steps. Returns ``(delta [n_tensors, n_obj]
         float32, modes, token histograms at delta)``."""
-        modes, d_sample, hist = self._sample_search(tensors, norms, zero)
+        modes, d_sample, hist = self._sample_search(tensors, norms, zero, progress)
         if self.n_obj <= CHOICE_OBJECTS:
             return d_sample, modes, hist  # the sample is the whole cache
         unit = self._units()
@@ -447,10 +449,11 @@ class Encoder(_Chain):
 
     # -- driver ----------------------------------------------------------------------------------
     def encode(self, tensors: dict, progress=None, release=None):
-        """Yield every :class:`EncodedObject`, chunk-major (all tensors of object chunk 0, then
-        chunk 1, ...); :attr:`metas` is filled when the generator is exhausted. ``progress(n)``
-        is called with the positions coded in each pass (the number of passes is not known
-        in advance)."""
+        """Yield every :class:`EncodedObject` (chunk-major after whole-cache passes: all tensors
+        of object chunk 0, then chunk 1, ...; tensor by tensor for short caches); :attr:`metas`
+        is filled when the generator is exhausted. ``progress(n)`` is called with the work done,
+        in positions of the whole cache (each pass counts every position once; the number of
+        passes is not known in advance)."""
         self._release = release
         norms = self._norms(tensors)
         zero = norms == 0
