@@ -242,7 +242,6 @@ class Encoder(_Chain):
         lay = self.layout
         H, d = lay.kv_heads, lay.head_dim
         n_t = len(self.tensors)
-        xs = None if self.scope == "pooled" else [None] * n_t
         zs_cache: dict = {}
 
         def sample(ti):
