@@ -196,13 +196,13 @@ class Encoder(_Chain):
         return norms
 
     # -- coding one head of one chunk ------------------------------------------------------------
-    def _code_head(self, plan, m, z, local, delta_rows, zero_rows, zimg):
+    def _code_head(self, plan, m, z, local, delta_rows, zero_rows, layer, kind, h):
         base = plan.predict(m, local, z.shape[0])
         q, wh = quantize_residual(z - base, delta_rows, (m & INTERP) != 0, self.config.object_size)
         rec = base + wh
         if zero_rows.any():
             q[zero_rows] = 0
-            rec[zero_rows] = zimg
+            rec[zero_rows] = self.zero_image(layer, kind, h)
         return q, rec
 
     def _row_errors(self, rec, xh, layer, kind, h, start) -> np.ndarray:
@@ -269,7 +269,7 @@ class Encoder(_Chain):
                 b = block_name(kind, layer, h)
                 plan = self.plans[b]
                 m = self._choose(plan, z[h], loc, delta_rows) if modes is None else modes[h]
-                q, loc[b] = self._code_head(plan, m, z[h], loc, delta_rows, zero_rows, self.zero_image(layer, kind, h))
+                q, loc[b] = self._code_head(plan, m, z[h], loc, delta_rows, zero_rows, layer, kind, h)
                 q_all[:, h * d:(h + 1) * d] = q
                 e = np.concatenate([self._row_errors(loc[b][k * S:k * S + int(self.obj_rows[j])], x[h][k * S:],
                                                      layer, kind, h, j * S) for k, j in enumerate(objs)])
@@ -378,7 +378,7 @@ class Encoder(_Chain):
                     blk = block_name(kind, layer, h)
                     z = self.to_frame(x[h], layer, kind, h, a)
                     q[:, h * d:(h + 1) * d], local[blk] = self._code_head(
-                        self.plans[blk], modes[ti][h], z, local, delta_rows, zero_rows, self.zero_image(layer, kind, h))
+                        self.plans[blk], modes[ti][h], z, local, delta_rows, zero_rows, layer, kind, h)
                     e = self._row_errors(local[blk], x[h], layer, kind, h, a)
                     e[zero_rows] = 0.0
                     err[ti, j0:j1] += _obj_sums(e, S)
