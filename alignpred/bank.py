@@ -21,13 +21,13 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
 from .errors import BankMismatchError, KvzError
+from .layout import block_name  # noqa: F401  (re-exported: banks name blocks)
 
 MAGIC = b"KVZBANK1"
 FORMAT = "kvz-bank"
@@ -36,9 +36,6 @@ _DTYPES = {"float16": np.float16, "float32": np.float32}
 MAX_MANIFEST = 16 << 20
 
 
-def block_name(kind: str, layer: int, head: int) -> str:
-    """``block_name('key', 3, 0) -> 'K.3.0'``."""
-    return f"{'K' if kind in ('key', 'K') else 'V'}.{layer}.{head}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,57 +107,30 @@ class Bank:
     # -- HDF5 files ---------------------------------------------------------------------------
     def save(self, path) -> None:
         """Write the bank as HDF5 (atomically), with its content id as an attribute."""
-        import h5py
+        from .io import write_bank_file
 
-        path = os.fspath(path)
-        d = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".bank.", suffix=".h5", dir=d)
-        os.close(fd)
-        try:
-            with h5py.File(tmp, "w") as f:
-                man = {"format": FORMAT, "version": VERSION, "model": self.model, "signature": self.signature,
-                       "config": self.config}
-                f.attrs["kvz_bank"] = json.dumps(man, sort_keys=True)
-                f.attrs["content_id"] = self.id
-                for n in sorted(self.arrays):
-                    f.create_dataset(n, data=np.ascontiguousarray(self.arrays[n]))
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, path)
-        except BaseException as e:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            if isinstance(e, OSError):
-                raise KvzError(f"cannot write bank {path}: {e.strerror or e}") from e
-            raise
+        man = {"format": FORMAT, "version": VERSION, "model": self.model, "signature": self.signature,
+               "config": self.config}
+        write_bank_file(path, json.dumps(man, sort_keys=True), self.id,
+                        {n: np.ascontiguousarray(a) for n, a in self.arrays.items()})
 
     @classmethod
     def load(cls, path) -> "Bank":
         """Read an HDF5 bank and check its content id; BankMismatchError if it is not one."""
-        import h5py
+        from .io import read_bank_file
 
         path = os.fspath(path)
-        if not os.path.exists(path):
-            raise KvzError(f"{path}: no such file")
+        man, stored, arrays = read_bank_file(path)
         try:
-            with h5py.File(path, "r") as f:
-                man = json.loads(f.attrs["kvz_bank"])
-                stored = str(f.attrs["content_id"])
-                arrays = {}
-
-                def visit(name, obj):
-                    if isinstance(obj, h5py.Dataset):
-                        arrays[name] = obj[()]
-
-                f.visititems(visit)
-        except (OSError, KeyError, ValueError) as e:
-            raise BankMismatchError(f"{path}: not a kvz bank ({e})") from None
-        if man.get("format") != FORMAT or man.get("version") != VERSION:
+            man = json.loads(man)
+        except ValueError:
+            raise BankMismatchError(f"{path}: not a kvz bank (manifest is not JSON)") from None
+        if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("version") != VERSION:
             raise BankMismatchError(f"{path}: unsupported bank format")
-        bank = cls(model=man["model"], signature=man["signature"], config=man["config"], arrays=arrays)
+        try:
+            bank = cls(model=man["model"], signature=man["signature"], config=man["config"], arrays=arrays)
+        except KeyError as e:
+            raise BankMismatchError(f"{path}: bank manifest lacks {e}") from None
         if bank.id != stored:
             raise BankMismatchError(f"{path}: bank content does not match its id (corrupt bank file)")
         return bank

@@ -30,13 +30,47 @@ MAX_HEADER = 256 << 20
 
 @dataclass
 class Cache:
-    """A loaded cache: tensors (numpy arrays, possibly memory-mapped), metadata, layout."""
+    """A KV cache: tensors (numpy arrays, possibly memory-mapped), metadata, layout.
+
+    Build one from arrays with :meth:`from_arrays` (numpy arrays or CPU torch tensors, viewed
+    without a copy), or load a safetensors file with :func:`load_cache`.
+    """
 
     tensors: dict
     metadata: dict
     layout: CacheLayout
     path: str | None = None  # the file it was loaded from (for error messages)
     buf: object = field(default=None, repr=False, compare=False)  # the mapped file behind tensors
+
+    @classmethod
+    def from_arrays(cls, tensors, metadata: dict | None = None, **fields) -> "Cache":
+        """A cache from ``{"layers.{i}.key" | "layers.{i}.value": array}`` (or a list of
+        ``(key, value)`` pairs, one per layer), each ``[kv_heads, T, head_dim]`` or
+        ``[1, kv_heads, T, head_dim]`` in bfloat16/float16/float32 — numpy arrays or CPU torch
+        tensors, viewed without copying. ``metadata`` uses the fields of
+        :mod:`alignpred.metadata` (strings as in a file, or Python values); keyword ``fields``
+        are the same fields given directly (``keys_roped=True, rope_theta=[1e4, 1e6]``).
+        Everything is validated here, with errors naming the field.
+
+        >>> import numpy as np
+        >>> kv = [(np.ones((2, 5, 8), np.float16), np.ones((2, 5, 8), np.float16)) for _ in range(3)]
+        >>> c = Cache.from_arrays(kv, model="toy", position_offset=7)
+        >>> c.layout.num_layers, c.layout.kv_heads, c.layout.position_offset
+        (3, 2, 7)
+        """
+        from .arrays import as_numpy
+
+        if isinstance(tensors, (list, tuple)):
+            pairs = list(tensors)
+            if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+                raise LayoutError("give tensors as {name: array} or as a list of (key, value) pairs")
+            tensors = {f"layers.{i}.{k}": a for i, p in enumerate(pairs) for k, a in zip(("key", "value"), p)}
+        if not isinstance(tensors, dict):
+            raise LayoutError("give tensors as {name: array} or as a list of (key, value) pairs")
+        arrays = {str(n): as_numpy(a) for n, a in tensors.items()}
+        meta = dict(metadata or {})
+        meta.update(fields)
+        return cls(arrays, meta, infer_layout(arrays, meta))
 
 
 def parse_safetensors(buf) -> tuple[dict, dict]:

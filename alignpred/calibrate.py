@@ -73,8 +73,11 @@ def block_samples(cache, block: str, max_tokens: int | None = None) -> np.ndarra
     if max_tokens:
         x = x[:max_tokens]
     if kind == "K" and lay.keys_roped:
-        x = apply_rope(x, np.arange(x.shape[0]) + lay.position_offset, lay.rope_theta[layer], inverse=True,
-                       pairing=lay.rope_pairing)
+        if lay.rope is None:  # default RoPE from rope_theta: the tables kvz 0.1 fitted its banks with
+            x = apply_rope(x, np.arange(x.shape[0]) + lay.position_offset, lay.rope_theta[layer], inverse=True,
+                           pairing=lay.rope_pairing)
+        elif lay.rope.table(layer) is not None:
+            x = lay.rope.table(layer).apply(x, lay.position_offset, inverse=True)
     return x
 
 
@@ -90,7 +93,7 @@ def fit_bank(caches, *, rank: int | None = None, eps_cal: float = 0.03, group_si
             raise BankMismatchError(f"calibration caches disagree: {c.layout.signature()} vs {lay.signature()}")
     groups = groups or default_groups(lay, group_size)
     sources = default_sources(lay, depth) if maps else {}
-    blocks = [block_name(k, i, h) for i in range(lay.num_layers) for k in ("K", "V") for h in range(lay.kv_heads)]
+    blocks = [b.name for b in lay.blocks()]
     store = np.dtype(dtype)
     samples = {}
     for b in blocks:

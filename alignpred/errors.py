@@ -35,3 +35,17 @@ class NonFiniteError(KvzError):
 
 class EncodeError(KvzError):
     """The encoder could not meet the requested error budget or parameters are invalid."""
+
+
+class MetadataError(LayoutError):
+    """A cache metadata field is malformed or contradicts the tensors (names the field and the fix)."""
+
+
+class OutputExistsError(KvzError):
+    """The output path exists and was not created by this command (pass ``force`` / ``--force``),
+    or it is the command's own input."""
+
+
+class KvzWarning(UserWarning):
+    """Something kvz can work with but that costs the user (e.g. compression lost to metadata
+    that does not say the keys carry RoPE)."""

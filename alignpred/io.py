@@ -90,7 +90,10 @@ def atomic_file(path):
     d = os.path.dirname(os.path.abspath(path)) or "."
     remove_stale_temps(path)
     mode = _mode_for(path)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    except OSError as e:  # name the user's path, not the temporary one
+        raise KvzError(f"cannot write {path}: {e.strerror or e}") from None
     try:
         # the lock marks the temp file as live; it is held until the file has been renamed
         with os.fdopen(fd, "w+b") as f:
@@ -159,3 +162,104 @@ def map_file(path) -> memoryview:
         raise KvzError(f"{path}: is a directory") from None
     except PermissionError:
         raise KvzError(f"{path}: permission denied") from None
+
+
+# -- calibration banks (HDF5) ------------------------------------------------------------------
+def read_bank_attrs(path) -> tuple[str, str]:
+    """``(manifest JSON, stored content id)`` of an HDF5 bank, without reading its arrays."""
+    import h5py
+
+    path = os.fspath(path)
+    try:
+        with h5py.File(path, "r") as f:
+            return str(f.attrs["kvz_bank"]), str(f.attrs["content_id"])
+    except FileNotFoundError:
+        raise KvzError(f"{path}: no such file") from None
+    except (OSError, KeyError, ValueError) as e:
+        from .errors import BankMismatchError
+
+        raise BankMismatchError(f"{path}: not a kvz bank ({e})") from None
+
+
+def read_bank_file(path) -> tuple[str, str, dict]:
+    """``(manifest JSON, stored content id, {name: array})`` of an HDF5 bank."""
+    import h5py
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise KvzError(f"{path}: no such file")
+    try:
+        with h5py.File(path, "r") as f:
+            man, cid = str(f.attrs["kvz_bank"]), str(f.attrs["content_id"])
+            arrays = {}
+
+            def visit(name, obj):
+                if isinstance(obj, h5py.Dataset):
+                    arrays[name] = obj[()]
+
+            f.visititems(visit)
+    except (OSError, KeyError, ValueError) as e:
+        from .errors import BankMismatchError
+
+        raise BankMismatchError(f"{path}: not a kvz bank ({e})") from None
+    return man, cid, arrays
+
+
+def write_bank_file(path, manifest: str, content_id: str, arrays: dict) -> None:
+    """Write an HDF5 bank atomically (temporary file in the same folder, fsync, rename)."""
+    import h5py
+
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".bank.", suffix=".h5", dir=d)
+    except OSError as e:
+        raise KvzError(f"cannot write bank {path}: {e.strerror or e}") from None
+    os.close(fd)
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["kvz_bank"] = manifest
+            f.attrs["content_id"] = content_id
+            for n in sorted(arrays):
+                f.create_dataset(n, data=arrays[n])
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.chmod(tmp, _mode_for(path))
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise KvzError(f"cannot write bank {path}: {e.strerror or e}") from e
+        raise
+
+
+def spool_file(near=None):
+    """An anonymous temporary file in the folder of ``near`` (unlinked at once: nothing is left
+    behind on a crash), for data that must wait before it is written in another order; without
+    ``near``, memory up to 256 MiB, then the system's temporary folder."""
+    if near is None:
+        return tempfile.SpooledTemporaryFile(max_size=256 << 20)
+    d = os.path.dirname(os.path.abspath(os.fspath(near))) or "."
+    try:
+        return tempfile.TemporaryFile(dir=d)
+    except OSError as e:
+        raise KvzError(f"cannot write {os.fspath(near)}: {e.strerror or e}") from None
+
+
+def ensure_dir(path) -> str:
+    """Create a folder (and its parents) if needed; returns it."""
+    path = os.fspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise KvzError(f"cannot create {path}: {e.strerror or e}") from None
+    return path
+
+
+def same_file(a, b) -> bool:
+    """Whether two paths name the same existing file."""
+    try:
+        return os.path.samefile(os.fspath(a), os.fspath(b))
+    except OSError:
+        return False

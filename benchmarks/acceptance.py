@@ -1,13 +1,14 @@
 """Acceptance measurement of the codec on held-out real caches: bpv at a target error (tensor and
 pooled scopes), the error measured independently by decoding, and encode/decode speed.
 
-    python -m benchmarks.acceptance [CACHES...] --bank samples/gemma3-270m/bank.h5 --eps 0.0267 \
-        --out out/acceptance.json
+    python -m kvz.benchmarks.acceptance [CACHES...] [--bank gemma-3-270m] [--eps 0.0267] \
+        [--out benchmarks/results/acceptance.json]
 
-With no CACHES it uses ``data/eval/*.safetensors`` if present (2,048-token captures of held-out
-documents, made by ``python samples/make_samples.py --what eval``), else the bundled samples.
-Threads are pinned (``--threads``, default 1) before numpy loads, so speeds are per core; decode
-speed is the median of ``--repeats`` decodes.
+With no CACHES it uses ``data/eval/*.safetensors`` (2,048-token captures of held-out documents,
+made by ``python samples/make_samples.py --what eval``); if there are none it stops and says how
+to make them (``--samples`` runs on the bundled 448-token samples instead, and says so in the
+output). Threads are pinned (``--threads``, default 1) before numpy loads, so speeds are per
+core; decode speed is the median of ``--repeats`` decodes.
 """
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ def _pin_threads(n: int) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("caches", nargs="*")
-    ap.add_argument("--bank", default=None)
+    ap.add_argument("--bank", default="gemma-3-270m", help="bank file or registry name (default: the bundled one)")
+    ap.add_argument("--samples", action="store_true", help="run on the bundled samples (not the held-out eval set)")
     ap.add_argument("--eps", type=float, default=0.0267)
     ap.add_argument("--scopes", default="tensor,pooled")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="decode this many times, report the median")
-    ap.add_argument("--out", default="out/acceptance.json")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "acceptance.json"))
     a = ap.parse_args(argv)
     _pin_threads(a.threads)
 
@@ -41,12 +44,21 @@ def main(argv=None):
 
     import numpy as np
 
-    from alignpred import Bank, KvzReader, compress, load_cache
+    from alignpred import KvzReader, compress, load_cache
+    from alignpred.banks import find as find_bank
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    caches = a.caches or sorted(glob.glob(os.path.join(root, "data", "eval", "*.safetensors"))) or \
-        sorted(glob.glob(os.path.join(root, "samples", "gemma3-270m", "*.safetensors")))
-    bank = Bank.load(a.bank or os.path.join(root, "samples", "gemma3-270m", "bank.h5"))
+    if a.caches:
+        caches, dataset = a.caches, "given"
+    elif a.samples:
+        caches, dataset = sorted(glob.glob(os.path.join(root, "samples", "gemma3-270m", "*.safetensors"))), "samples"
+    else:
+        caches, dataset = sorted(glob.glob(os.path.join(root, "data", "eval", "*.safetensors"))), "data/eval"
+        if not caches:
+            ap.error("no held-out caches in data/eval: make them with `python samples/make_samples.py --what eval` "
+                     "(needs the [model] extra), or pass --samples to run on the bundled samples")
+    print(f"data set: {dataset} ({len(caches)} caches)", flush=True)
+    bank = find_bank(a.bank)
     rows = []
     tmp = tempfile.mkdtemp()
     for path in caches:
@@ -92,7 +104,7 @@ def main(argv=None):
         print(f"{scope}: mean {summary[scope]['bpv_mean']:.3f} bpv, max {summary[scope]['bpv_max']:.3f} bpv")
     res = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
                        "python": sys.version.split()[0]},
-           "bank_id": bank.id, "rows": rows, "summary": summary}
+           "dataset": dataset, "bank_id": bank.id, "rows": rows, "summary": summary}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=2)

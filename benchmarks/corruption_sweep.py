@@ -16,9 +16,9 @@ library's reader whether the file is damaged:
 
 A position counts as detected if the reader raises a ``KvzError``. Usage::
 
-    python -m benchmarks.corruption_sweep                       # english-prose, every byte, one mask
-    python -m benchmarks.corruption_sweep --embed --stride 7 --masks 0x01,0x80,0xff
-    python -m benchmarks.corruption_sweep --json out/corruption.json
+    python -m kvz.benchmarks.corruption_sweep                       # english-prose, every byte, one mask
+    python -m kvz.benchmarks.corruption_sweep --embed --stride 7 --masks 0x01,0x80,0xff
+    python -m kvz.benchmarks.corruption_sweep --json out/corruption.json
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def sweep(raw: bytes, bank=None, *, stride: int = 1, masks=(None,), decode_sampl
           progress: bool = False) -> dict:
     """Corrupt ``raw`` one byte at a time; returns per-region counts of tried/detected and the
     undetected positions. ``masks``: XOR values; ``None`` = one random non-zero mask per byte."""
-    import alignpred.kvzfile as kf
+    import alignpred.reader as kf
     from alignpred import KvzError, KvzReader
 
     mem = _Mem()

@@ -29,7 +29,7 @@ kvz is as good downstream as FP8 (and the other baselines).
 
 Run standalone::
 
-    python -m benchmarks.quality --bank samples/gemma3-270m/bank.h5 --eps 0.01,0.0267,0.05 --prompts 20 --out DIR
+    python -m kvz.benchmarks.quality --bank samples/gemma3-270m/bank.h5 --eps 0.01,0.0267,0.05 --prompts 20 --out DIR
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def _kivi_local(x: np.ndarray, is_key: bool, bits: int, G: int):
 
 def _baseline_codec(name: str):
     try:
-        from benchmarks.baselines import BASELINES
+        from kvz.benchmarks.baselines import BASELINES
 
         return BASELINES[name]
     except Exception:
@@ -187,7 +187,7 @@ def fp8_setting() -> Setting:
             bits += b
             n += x.size
         info["bpv"] = bits / n
-        info["impl"] = "benchmarks.baselines.fp8" if codec is not None else "local"
+        info["impl"] = "kvz.benchmarks.baselines.fp8" if codec is not None else "local"
         return out
 
     return Setting(fn, "fp8", dtype="e4m3", scale="per-tensor")
@@ -210,7 +210,7 @@ def int4_setting(group: int = 32) -> Setting:
             bits += b
             n += x.size
         info["bpv"] = bits / n
-        info["impl"] = "benchmarks.baselines.kivi" if codec is not None else "local"
+        info["impl"] = "kvz.benchmarks.baselines.kivi" if codec is not None else "local"
         return out
 
     return Setting(fn, "int4", group=group)
@@ -338,7 +338,7 @@ def _model():
     if _MODEL is None:
         import torch
 
-        from integrations.gemma_capture import load_gemma
+        from kvz.integrations.gemma_capture import load_gemma
 
         torch.set_num_threads(min(2, os.cpu_count() or 1) if "KVZ_THREADS" not in os.environ
                               else int(os.environ["KVZ_THREADS"]))
@@ -448,7 +448,7 @@ def run_quality(settings: dict, prompts: list | None = None, n_prompts: int = 20
     """
     import torch
 
-    from integrations.gemma_capture import cache_metadata, layer_info
+    from kvz.integrations.gemma_capture import cache_metadata, layer_info
 
     if free_run not in ("tf", "steps"):
         raise ValueError("free_run must be 'tf' or 'steps'")
@@ -720,7 +720,7 @@ def _write_json(path: Path, obj) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvz.benchmarks.quality", description=__doc__.split("\n")[0])
     ap.add_argument("--bank", required=True, help="calibration bank (.h5)")
     ap.add_argument("--eps", default="0.01,0.0267,0.05", help="comma-separated kvz eps values")
     ap.add_argument("--scope", default="tensor", choices=("tensor", "pooled"))

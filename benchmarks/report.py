@@ -1,8 +1,8 @@
-"""``results.json`` (from :mod:`benchmarks.run`) -> ``RESULTS.md`` and ``rd.png``.
+"""``results.json`` (from :mod:`kvz.benchmarks.run`) -> ``RESULTS.md`` and ``rd.png``.
 
-    python -m benchmarks.report out/bench            # re-render out/bench/RESULTS.md and rd.png
-    python -m benchmarks.report out/bench --quality q.json   # merge a separate quality run first
-    python -m benchmarks.report benchmarks/results --md benchmarks/RESULTS.md   # the committed copy
+    python -m kvz.benchmarks.report out/bench            # re-render out/bench/RESULTS.md and rd.png
+    python -m kvz.benchmarks.report out/bench --quality q.json   # merge a separate quality run first
+    python -m kvz.benchmarks.report benchmarks/results --md benchmarks/RESULTS.md   # the committed copy
 
 Everything in the report is computed from the JSON; nothing is measured here.
 """
@@ -381,7 +381,7 @@ def _quality_section(res: dict) -> list[str]:
               f"{b.get('eps_fp8_tensor', res['eps_fp8']['tensor']):.5f}).", ""]
     table = None
     try:
-        from benchmarks.quality import format_table
+        from kvz.benchmarks.quality import format_table
         table = format_table(q)
     except Exception:
         table = None

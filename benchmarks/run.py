@@ -18,7 +18,7 @@ What one run measures (all in one process, on the same caches, so the timings co
   vs a bank fitted on the target and embedded), both at ``eps_fp8`` under the tensor allocation.
 * optionally **downstream quality** (``benchmarks.quality``, needs torch/transformers).
 
-Results go to ``OUT/results.json``; :mod:`benchmarks.report` turns them into ``OUT/RESULTS.md`` and ``OUT/rd.png``.
+Results go to ``OUT/results.json``; :mod:`kvz.benchmarks.report` turns them into ``OUT/RESULTS.md`` and ``OUT/rd.png``.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
-BUNDLED_BANK = os.path.join(SAMPLES, "bank.h5")
+BUNDLED_BANK = os.path.join(os.path.dirname(os.path.abspath(__import__("alignpred").__file__)), "banks", "gemma-3-270m.h5")
 CALIB_DIR = os.path.join(ROOT, "data", "calib")
 
 EPS_DEFAULT = tuple(float(f"{e:.3g}") for e in np.geomspace(0.005, 0.10, 8))
@@ -195,7 +195,7 @@ def sq_norm_total(tensors: dict) -> float:
 
 
 def measure(tensors: dict, recon: dict) -> tuple[float, float]:
-    from benchmarks.baselines import error_stats
+    from kvz.benchmarks.baselines import error_stats
 
     pooled, worst, _ = error_stats(tensors, recon)
     return pooled, worst
@@ -294,7 +294,7 @@ def run_bench(caches: list[str] | None = None, *, bank: str | None = None, calib
     from tqdm import tqdm
 
     from alignpred import Bank, CodecConfig, fit_bank, load_cache
-    import benchmarks.baselines as B
+    import kvz.benchmarks.baselines as B
 
     thread_note = limit_threads(threads) if threads else "not limited"
     t_start = time.perf_counter()
@@ -547,7 +547,7 @@ def write_results(results: dict, out: str, report: bool = True) -> None:
         f.write("\n")
     os.replace(tmp, p)
     if report:
-        from benchmarks.report import write_report
+        from kvz.benchmarks.report import write_report
 
         write_report(results, out)
 
@@ -617,7 +617,7 @@ def quality_eps_list(eps_fp8: dict, eps_points) -> list[float]:
 def run_quality_study(bank, eps_fp8: dict, eps_points, n_prompts: int, prompt_tokens: int, new_tokens: int,
                       progress: bool = True) -> dict:
     """kvz at FP8-level error (and around it) vs FP8 e4m3 and INT4 KIVI, downstream (Gemma 3 270M)."""
-    from benchmarks import quality as Q  # needs torch + transformers; imported only here
+    from kvz.benchmarks import quality as Q  # needs torch + transformers; imported only here
 
     settings = {"identity fp32": Q.identity_setting("fp32"), "bf16 cast": Q.identity_setting("bf16")}
     eps_list = quality_eps_list(eps_fp8, eps_points)

@@ -10,7 +10,7 @@ import click
 
 def _command_line(caches, opts: list[tuple[str, object]]) -> str:
     """The command as typed, rebuilt from the parsed parameters; paths outside the repository shown by name."""
-    from benchmarks.run import display_path
+    from kvz.benchmarks.run import display_path
 
     out = ["kvz", "bench"] + [display_path(c) for c in caches]
     for flag, v in opts:
@@ -50,7 +50,7 @@ def _command_line(caches, opts: list[tuple[str, object]]) -> str:
 def bench(caches, bank, calib, eps_points, out, quick, quality, quality_only, quality_prompts, methods, no_ablation,
           no_calibration, self_ranks, threads, quiet):
     """Rate-distortion, speed (and downstream quality) of kvz against the baseline coders."""
-    from benchmarks.run import run_bench, run_quality_only
+    from kvz.benchmarks.run import run_bench, run_quality_only
 
     cmd = _command_line(caches, [("--bank", bank), ("--calib", calib), ("--eps-points", eps_points),
                                  ("--out", out if out != "out/bench" else None), ("--quick", quick),

@@ -8,10 +8,14 @@ import functools
 import json
 import os
 import sys
+import warnings
 
 import click
 
-from alignpred import Bank, CodecConfig, KvzError, KvzReader, compress as compress_cache, fit_bank, load_cache
+from alignpred import CodecConfig, KvzError, KvzReader, compress as compress_cache, fit_bank, load_cache
+from alignpred.banks import find as find_bank
+from alignpred.errors import OutputExistsError
+from alignpred.io import same_file
 
 
 def _errors(fn):
@@ -29,6 +33,19 @@ def _errors(fn):
         except MemoryError:
             raise click.ClickException("out of memory") from None
     return wrapper
+
+
+def _check_output(out: str, force: bool, inputs=()) -> None:
+    """Refuse to overwrite an existing file without ``--force``, and ever to overwrite an input."""
+    for src in inputs:
+        if same_file(out, src):
+            raise OutputExistsError(f"{out} is also an input of this command; write the output elsewhere (-o)")
+    if os.path.lexists(out) and not force:
+        raise OutputExistsError(f"{out} exists; pass --force to replace it, or choose another output with -o")
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    click.echo(f"Warning: {message}", err=True)
 
 
 def _progress(total: int | None, desc: str, quiet: bool, unit: str = "tensor"):
@@ -68,34 +85,52 @@ def cli():
 @click.option("--no-intra", is_flag=True, help="Ablation: disable token interpolation.")
 @click.option("--no-channel-choice", is_flag=True, help="Ablation: one predictor per block, not per channel.")
 @click.option("--no-rope-undo", is_flag=True, help="Ablation: code keys with RoPE applied.")
-@click.option("--sink-tokens", type=int, default=1, show_default=True,
-              help="Leading positions (attention sink) coded with a 16x finer step; 0 disables.")
+@click.option("--sink-tokens", type=click.IntRange(min=0), default=1, show_default=True,
+              help="First positions of the sequence (attention sink) coded with a 16x finer step; 0 disables.")
+@click.option("--tensor-cap", type=float, default=3.0, show_default=True,
+              help="Pooled scope: cap every tensor's NRMSE at this multiple of eps (0 = no cap).")
+@click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_errors
 def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map, blend, no_intra,
-             no_channel_choice, no_rope_undo, sink_tokens, as_json, quiet):
-    """Compress a KV cache (safetensors) into a .kvz file."""
+             no_channel_choice, no_rope_undo, sink_tokens, tensor_cap, force, as_json, quiet):
+    """Compress a KV cache (safetensors) into a .kvz file.
+
+    BANK is a bank file, a registered bank's name (see `kvz bank list`; e.g. gemma-3-270m) or
+    its content id."""
     out = out or os.path.splitext(src)[0] + ".kvz"
-    cache = load_cache(src)
-    if self_calibrate == bool(bank):
-        raise click.UsageError("give exactly one of --bank BANK or --self-calibrate")
-    b = fit_bank([cache], rank=rank or None, rotations=align) if self_calibrate else Bank.load(bank)
+    if self_calibrate and bank:
+        raise click.UsageError("give one of --bank BANK or --self-calibrate, not both")
+    cache = load_cache(src)  # a bad input is reported before the output is looked at
+    _check_output(out, force, [src])
+    if self_calibrate:
+        b = fit_bank([cache], rank=rank or None, rotations=align)
+    elif bank:
+        b = find_bank(bank, cache.layout)
+    else:
+        from alignpred.banks import fitting
+
+        es = fitting(cache.layout)
+        hint = f" (the {es[0].origin} bank {es[0].name} fits this cache: --bank {es[0].name})" if es else ""
+        raise click.UsageError(f"give --bank BANK{hint} or --self-calibrate")
     cfg = CodecConfig(align=align, inter_map=not no_map, blend=blend, intra=not no_intra,
-                      channel_choice=not no_channel_choice, rope_undo=not no_rope_undo, sink_tokens=max(0, sink_tokens))
+                      channel_choice=not no_channel_choice, rope_undo=not no_rope_undo, sink_tokens=sink_tokens)
     # The step search makes several whole-cache passes (their number is not known in advance):
     # the bar counts positions coded over all passes.
     with _progress(None, "compress", quiet, unit="pos") as bar:
         info = compress_cache(cache, out, eps=eps, bank=b, scope=eps_scope, config=cfg, embed_bank=self_calibrate,
-                              progress=bar.update)
+                              tensor_cap=tensor_cap, progress=bar.update)
+    b_id = info.bank_id
     res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "bpv": info.bpv,
            "file_bytes": info.file_bytes, "bank_bytes": info.bank_bytes, "n_values": info.n_values,
-           "nrmse_pooled": info.nrmse_pooled, "nrmse_max_tensor": info.nrmse_max_tensor, "bank_id": b.id}
+           "nrmse_pooled": info.nrmse_pooled, "nrmse_max_tensor": info.nrmse_max_tensor, "bank_id": b_id}
     src_bits = 32 if cache.layout.dtype == "float32" else 16
     _emit(res, as_json, [f"{out}: {info.file_bytes} bytes, {info.bpv:.3f} bits/value "
                          f"({src_bits / info.bpv:.2f}x smaller than the {cache.layout.dtype} input)",
                          f"error: pooled NRMSE {info.nrmse_pooled:.6f}, worst tensor {info.nrmse_max_tensor:.6f} "
-                         f"(eps {eps}, scope {eps_scope})"])
+                         f"(eps {eps}, scope {eps_scope}"
+                         f"{f', tensor cap {tensor_cap:g} x eps' if eps_scope == 'pooled' and tensor_cap else ''})"])
 
 
 @cli.command()
@@ -104,16 +139,19 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
 @click.option("--bank", type=click.Path(dir_okay=False), help="Bank the file was written with (if not embedded).")
 @click.option("--tokens", help="Token range A:B to decode (default: all).")
 @click.option("--layers", type=int, help="Decode only the first N layers.")
+@click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("-q", "--quiet", is_flag=True)
 @_errors
-def decompress(src, out, bank, tokens, layers, as_json, quiet):
+def decompress(src, out, bank, tokens, layers, force, as_json, quiet):
     """Decode a .kvz file back to safetensors (same names, shapes and dtypes).
 
-    Streams in bounded memory: 256 positions of every layer at a time, each slice written at its
-    place in a temporary file that is renamed over OUT at the end."""
+    OUT defaults to SRC with .safetensors; an existing file (the original cache, typically) is
+    never replaced without --force. Streams in bounded memory: 256 positions of every layer at a
+    time, each slice written at its place in a temporary file renamed over OUT at the end."""
     out = out or os.path.splitext(src)[0] + ".safetensors"
     r = KvzReader(src, bank=bank)
+    _check_output(out, force, [src])
     lay = r.layout
     rng = None
     if tokens:
@@ -146,10 +184,12 @@ def decompress(src, out, bank, tokens, layers, as_json, quiet):
 @click.option("--no-rotations", is_flag=True, help="Skip GPA rotations (smaller bank; no --align).")
 @click.option("--eps-cal", type=float, default=0.03, show_default=True,
               help="Relative noise the maps are made robust to (the typical eps).")
+@click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True)
 @_errors
-def calibrate(caches, out, rank, depth, group_size, no_rotations, eps_cal, as_json):
+def calibrate(caches, out, rank, depth, group_size, no_rotations, eps_cal, force, as_json):
     """Fit a calibration bank (GPA rotations and prediction maps) on caches of one model."""
+    _check_output(out, force, caches)
     loaded = [load_cache(c) for c in caches]
     bank = fit_bank(loaded, rank=rank or None, depth=depth, group_size=group_size, rotations=not no_rotations,
                     eps_cal=eps_cal)
@@ -167,9 +207,10 @@ def inspect(src, as_json):
     """Show layout, bits per value and achieved error per tensor, and the bank id."""
     s = KvzReader(src).summary()
     lay = s["layout"]
+    cap = f", tensor cap {s['tensor_cap']:g} x eps" if s["tensor_cap"] else ""
     lines = [f"{s['file']}: kvz {s['version']}, {lay['model'] or 'unknown model'}, {lay['num_layers']} layers x "
              f"{lay['kv_heads']} KV heads x {lay['n_tokens']} tokens x {lay['head_dim']} ({lay['dtype']})",
-             f"{s['file_bytes']} bytes, {s['bpv']:.3f} bits/value; eps {s['eps']} ({s['eps_scope']}); "
+             f"{s['file_bytes']} bytes, {s['bpv']:.3f} bits/value; eps {s['eps']} ({s['eps_scope']}{cap}); "
              f"pooled NRMSE {s['nrmse_pooled']:.6f}, worst tensor {s['nrmse_max_tensor']:.6f}",
              f"bank {s['bank_id']}{' (embedded, %d bytes)' % s['bank_bytes'] if s['bank_embedded'] else ''}",
              f"{'tensor':<20} {'nrmse':>9} {'bpv':>7} {'worst object':>13}"]
@@ -178,14 +219,74 @@ def inspect(src, as_json):
     _emit(s, as_json, lines)
 
 
+@cli.group()
+def bank():
+    """The bank registry: list, add and show calibration banks (found by id or name)."""
+
+
+@bank.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@_errors
+def bank_list(as_json):
+    """Registered banks, in lookup order ($KVZ_BANK_PATH, the user folder, the bundled ones)."""
+    from alignpred.banks import registry, search_dirs
+
+    es = registry()
+    rows = [{"name": e.name, "id": e.id, "model": e.model, "signature": e.signature, "origin": e.origin,
+             "path": e.path} for e in es]
+    lines = [f"{'name':<28} {'id':<21} {'model':<16} {'layers x heads x dim':<20} origin"]
+    for e in es:
+        sig = e.signature
+        lines.append(f"{e.name:<28} {e.id[:19] + '…':<21} {e.model or '-':<16} "
+                     f"{'%s x %s x %s' % (sig.get('num_layers'), sig.get('kv_heads'), sig.get('head_dim')):<20} {e.origin}")
+    if not es:
+        lines = ["no banks registered; searched: " + ", ".join(str(d) for _, d in search_dirs())]
+    _emit({"banks": rows}, as_json, lines)
+
+
+@bank.command("add")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--name", help="Registry name (default: model and id prefix).")
+@click.option("-f", "--force", is_flag=True, help="Replace a registered bank of the same name.")
+@click.option("--json", "as_json", is_flag=True)
+@_errors
+def bank_add(path, name, force, as_json):
+    """Verify a bank file and copy it into the user bank folder."""
+    from alignpred.banks import add
+
+    e = add(path, name, force)
+    _emit({"name": e.name, "id": e.id, "path": e.path}, as_json, [f"{e.name}: {e.id} -> {e.path}"])
+
+
+@bank.command("show")
+@click.argument("ref")
+@click.option("--json", "as_json", is_flag=True)
+@_errors
+def bank_show(ref, as_json):
+    """Details of a bank (REF: a path, a registry name or a content id)."""
+    b = find_bank(ref)
+    cfg = b.config
+    maps = sorted({n.split("/")[1] for n in b.arrays if n.startswith("map/")})
+    info = {"id": b.id, "model": b.model, "signature": b.signature, "bytes": b.nbytes, "arrays": len(b.arrays),
+            "groups": len(cfg.get("groups", [])), "blocks_with_maps": len(maps), "rank": cfg.get("rank"),
+            "eps_cal": cfg.get("eps_cal"), "n_positions": cfg.get("n_positions"),
+            "rope_undone": cfg.get("rope_undone"), "rotations": any(n.startswith("rot/") for n in b.arrays)}
+    lines = [f"bank {b.id}", f"model {b.model or '-'}; {b.signature}",
+             f"{info['bytes']} bytes, {info['arrays']} arrays; {info['blocks_with_maps']} blocks with maps "
+             f"(rank {info['rank'] or 'full'}, eps_cal {info['eps_cal']}); {info['groups']} GPA groups"
+             f"{'' if info['rotations'] else ' (no rotations)'}; fitted on {info['n_positions']} positions per block; "
+             f"RoPE undone on keys: {info['rope_undone']}"]
+    _emit(info, as_json, lines)
+
+
 def _register_optional():
     try:
-        from cli.capture_cmd import capture
+        from kvz.cli.capture_cmd import capture
         cli.add_command(capture)
     except ImportError:
         pass
     try:
-        from cli.bench_cmd import bench
+        from kvz.cli.bench_cmd import bench
         cli.add_command(bench)
     except ImportError:
         pass
@@ -195,6 +296,7 @@ _register_optional()
 
 
 def main():
+    warnings.showwarning = _show_warning  # one line on stderr, no source line
     cli(prog_name="kvz")
 
 

@@ -9,7 +9,7 @@ from alignpred.layout import infer_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
-BANK = os.path.join(SAMPLES, "bank.h5")
+BANK = os.path.join(ROOT, "alignpred", "banks", "gemma-3-270m.h5")
 
 
 def sample_paths():

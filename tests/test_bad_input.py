@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from alignpred import (BankMismatchError, KvzError, KvzReader, LayoutError, NonFiniteError, compress, fit_bank,
                        load_cache, save_cache)
-from cli.main import cli
+from kvz.cli.main import cli
 from conftest import synthetic_cache
 
 
@@ -125,7 +125,7 @@ def test_wrong_bank(base, tmp_path):
         KvzReader(out, bank=other).read()
     one_line_error(*kvz("decompress", out, "--bank", tmp_path / "other.h5", "-q"), out, "needs bank",
                    "use the bank the file was compressed with")
-    one_line_error(*kvz("decompress", out, "-q"), out, "pass it with --bank")
+    one_line_error(*kvz("decompress", out, "-q"), out, "pass the bank it was written with")
     # a bank for another model shape
     fit_bank([synthetic_cache(n_layers=3, T=40, d=16)], rank=4, rotations=False).save(tmp_path / "b3.h5")
     one_line_error(*kvz("compress", d / "good.safetensors", "--bank", tmp_path / "b3.h5", "-q"),
@@ -149,10 +149,10 @@ def test_not_kvz_and_missing_files(base, tmp_path):
 # -- inputs that must round-trip -----------------------------------------------------------------
 def _roundtrip(tmp_path, tensors, meta=None, eps=0.05, self_cal=True, bank=None):
     p = _write(tmp_path, "rt.safetensors", tensors, meta)
-    args = ["compress", p, "-q", "--eps", eps] + (["--self-calibrate"] if self_cal else ["--bank", bank])
+    args = ["compress", p, "-q", "--force", "--eps", eps] + (["--self-calibrate"] if self_cal else ["--bank", bank])
     code, out = kvz(*args)
     assert code == 0, out
-    code, out = kvz("decompress", tmp_path / "rt.kvz", "-o", tmp_path / "back.safetensors", "-q",
+    code, out = kvz("decompress", tmp_path / "rt.kvz", "-o", tmp_path / "back.safetensors", "-q", "--force",
                     *(["--bank", bank] if bank else []))
     assert code == 0, out
     back = load_cache(tmp_path / "back.safetensors").tensors
@@ -235,7 +235,7 @@ def test_disk_full_simulated(base, tmp_path, monkeypatch):
     with pytest.raises(KvzError, match="full.kvz: No space left on device; free some space"):
         compress(c, out, eps=0.02, bank=bank)
     assert out.read_bytes() == old and leftovers(tmp_path) == []
-    one_line_error(*kvz("compress", d / "good.safetensors", "--bank", d / "bank.h5", "-o", out, "-q"),
+    one_line_error(*kvz("compress", d / "good.safetensors", "--bank", d / "bank.h5", "-o", out, "-q", "--force"),
                    "full.kvz", "No space left", "free some space")
     one_line_error(*kvz("decompress", out, "--bank", d / "bank.h5", "-o", tmp_path / "o.safetensors", "-q"),
                    "o.safetensors", "No space left")

@@ -7,9 +7,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from benchmarks.baselines import (BASELINES, REQUIRES, Result, cast_back, nrmse, search_continuous,
+from kvz.benchmarks.baselines import (BASELINES, REQUIRES, Result, cast_back, nrmse, search_continuous,
                                   search_discrete)
-from benchmarks.baselines._io import synthetic_cache
+from kvz.benchmarks.baselines._io import synthetic_cache
 
 EPS = 0.0267
 CONTINUOUS_MUST_MEET = {"sz3", "sz3_lorenzo", "sz3_aligned", "zfp", "kvtc"}

@@ -6,8 +6,8 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from benchmarks.report import interp_loglog
-from benchmarks.run import BUNDLED_BANK, SAMPLES, summarize
+from kvz.benchmarks.report import interp_loglog
+from kvz.benchmarks.run import BUNDLED_BANK, SAMPLES, summarize
 
 SAMPLE = os.path.join(SAMPLES, "english-prose.safetensors")
 
@@ -31,13 +31,13 @@ def test_summarize_pools_bits_and_errors():
 
 @pytest.mark.skipif(not os.path.exists(SAMPLE), reason="bundled samples absent")
 def test_bench_quick(tmp_path):
-    import benchmarks.baselines as B
-    from cli.main import cli
+    import kvz.benchmarks.baselines as B
+    from kvz.cli.main import cli
 
     args = ["bench", "--quick", "--out", str(tmp_path / "out"), "-q"]
     if not os.path.exists(BUNDLED_BANK):  # fit a small bank on another sample instead
         from alignpred import fit_bank, load_cache
-        from benchmarks.run import slice_cache
+        from kvz.benchmarks.run import slice_cache
 
         other = slice_cache(load_cache(os.path.join(SAMPLES, "python-code.safetensors")), 256)
         fit_bank([other], rank=None).save(tmp_path / "bank.h5")

@@ -5,7 +5,7 @@ import numpy as np
 from click.testing import CliRunner
 
 from alignpred import load_cache, save_cache
-from cli.main import cli
+from kvz.cli.main import cli
 from conftest import synthetic_cache
 
 

@@ -121,7 +121,7 @@ class MemFiles:
 
 @pytest.fixture
 def work(monkeypatch, tmp_path):
-    import alignpred.kvzfile as kf
+    import alignpred.reader as kf
 
     mem = MemFiles()
     monkeypatch.setattr(kf, "map_file", mem.map_file)
@@ -375,7 +375,7 @@ def test_embedded_bank_mutations(files, work):
 
 # -- the corruption sweep script (benchmarks/corruption_sweep.py) on a small file ---------------
 def test_corruption_sweep_detects_everything(files):
-    from benchmarks.corruption_sweep import sweep
+    from kvz.benchmarks.corruption_sweep import sweep
 
     for which, stride in (("emb", 11), ("ext", 5)):
         raw, bank = files[which]

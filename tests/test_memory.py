@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason
               pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("KVZ_SLOW") != "1", reason="slow (~15 s CPU, 4 subprocesses); KVZ_SLOW=1")]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KVZ = [sys.executable, "-c", "import sys; from cli.main import cli; sys.exit(cli(prog_name='kvz'))"]
+KVZ = [sys.executable, "-c", "import sys; from kvz.cli.main import cli; sys.exit(cli(prog_name='kvz'))"]
 
 
 def peak_anon_mib(args, cwd) -> float:

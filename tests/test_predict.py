@@ -1,8 +1,9 @@
 import numpy as np
 
 from alignpred import CodecConfig, fit_bank
-from alignpred.codec import _Chain
-from alignpred.predict import MAP
+from alignpred.chain import Chain
+from alignpred.layout import Block
+from alignpred.predictors import MAP
 from conftest import synthetic_cache
 
 
@@ -12,12 +13,12 @@ def test_aligned_map_predicts_the_same_residual_energy():
     bank = fit_bank([c], rank=None)
     energies = []
     for align in (False, True):
-        ch = _Chain(c.layout, bank, CodecConfig(align=align))
+        ch = Chain(c.layout, bank, CodecConfig(align=align))
         rec = {}
         for layer in range(3):
             for kind in ("K", "V"):
                 t = c.tensors[f"layers.{layer}.{'key' if kind == 'K' else 'value'}"]
-                rec[f"{kind}.{layer}.0"] = ch.to_frame(t[0], layer, kind, 0, 0)
+                rec[f"{kind}.{layer}.0"] = ch.frame.to_frame(t[0], Block(layer, kind, 0), 0)
         e = []
         for b in ("K.1.0", "V.1.0", "K.2.0", "V.2.0"):
             r = rec[b] - ch.plans[b].base(MAP, rec)

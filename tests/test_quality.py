@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from benchmarks import quality as q
+from kvz.benchmarks import quality as q
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

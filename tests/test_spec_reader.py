@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 import pytest
 
-import alignpred.kvzfile as _kf
+import alignpred.writer as _kf
 from alignpred import CodecConfig, KvzReader, compress, fit_bank
 from alignpred.format.container import parse_container
 from conftest import synthetic_cache

@@ -28,7 +28,7 @@ from ..errors import ChecksumError, FormatError, TruncatedError, UnsupportedVers
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"KVZ-END\x00"
-MAJOR, MINOR = 1, 0
+MAJOR, MINOR = 1, 1  # MINOR: the newest minor version this reader decodes (and writers may write)
 KNOWN_FLAGS = 0
 PREAMBLE = struct.Struct("<8sHHI")
 FOOTER = struct.Struct("<QQQQIIII8s")
@@ -44,8 +44,8 @@ def crc32(b) -> int:
     return zlib.crc32(b) & 0xFFFFFFFF
 
 
-def pack_preamble(flags: int = 0) -> bytes:
-    return PREAMBLE.pack(MAGIC, MAJOR, MINOR, flags)
+def pack_preamble(flags: int = 0, minor: int = MINOR) -> bytes:
+    return PREAMBLE.pack(MAGIC, MAJOR, minor, flags)
 
 
 def parse_preamble(buf) -> tuple[int, int, int]:
@@ -59,6 +59,9 @@ def parse_preamble(buf) -> tuple[int, int, int]:
         raise FormatError("not a .kvz file (bad magic)")
     if major != MAJOR:
         raise UnsupportedVersionError(f"unsupported .kvz major version {major} (this reader reads {MAJOR}.x)")
+    if minor > MINOR:
+        raise UnsupportedVersionError(f".kvz version {major}.{minor} is newer than this reader ({MAJOR}.{MINOR}); "
+                                      "upgrade kvz")
     if flags & ~KNOWN_FLAGS:
         raise UnsupportedVersionError(f"unknown .kvz feature flags 0x{flags:08x}")
     return major, minor, flags

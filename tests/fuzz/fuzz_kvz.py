@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/ (conftest helpers)
 
 import numpy as np  # noqa: E402
 
-import alignpred.kvzfile as kf  # noqa: E402
+import alignpred.reader as kf  # noqa: E402
 from alignpred import CodecConfig, KvzError, KvzReader, compress, fit_bank  # noqa: E402
 from alignpred.format import container  # noqa: E402
 from conftest import synthetic_cache  # noqa: E402
@@ -92,14 +92,17 @@ def _instrument():
     import json.decoder
 
     import alignpred.bank
-    import alignpred.codec
+    import alignpred.decoder
     import alignpred.entropy
+    import alignpred.header
     import alignpred.layout
-    import alignpred.predict
+    import alignpred.metadata
+    import alignpred.plan
+    import alignpred.quantize
 
     n = 0
-    for mod in (kf, container, alignpred.bank, alignpred.codec, alignpred.entropy, alignpred.layout,
-                alignpred.predict, json.decoder):
+    for mod in (kf, container, alignpred.bank, alignpred.decoder, alignpred.entropy, alignpred.header,
+                alignpred.layout, alignpred.metadata, alignpred.plan, alignpred.quantize, json.decoder):
         for obj in list(vars(mod).values()):
             members = vars(obj).values() if inspect.isclass(obj) and obj.__module__ == mod.__name__ else [obj]
             for f in members:

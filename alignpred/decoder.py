@@ -1,0 +1,107 @@
+"""The AlignPred decoder: objects -> native tensors, layer by layer, for a range of objects.
+
+Layers are decoded in order (a block is predicted from earlier layers); a layer that was not
+asked for is still reconstructed in the coding frame when a later layer needs it, but never
+cast to the output dtype or copied out.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import entropy
+from .chain import OBJ_ZERO, Chain
+from .errors import FormatError
+from .kernels import dequant_add
+from .layout import Block
+from .predictors import INTERP
+from .quantize import dequantize_residual
+
+
+class Decoder(Chain):
+    """Decode objects back to native tensors."""
+
+    def check(self, metas: list) -> None:
+        """Reject per-channel modes or model ids a decoder could not honour (corrupt header)."""
+        lay = self.layout
+        for ti, meta in enumerate(metas):
+            layer, kind = lay.tensors()[ti]
+            if meta.models.shape != (lay.kv_heads * lay.head_dim,) or \
+                    int(meta.models.max(initial=0)) >= entropy.N_MODELS:
+                raise FormatError(f"{meta.name}: invalid entropy model ids in header")
+            if meta.modes.shape != (lay.kv_heads, lay.head_dim):
+                raise FormatError(f"{meta.name}: invalid predictor modes in header")
+            for h in range(lay.kv_heads):
+                allowed = set(self.plans[Block(layer, kind, h).name].modes())
+                if not set(np.unique(meta.modes[h]).tolist()) <= allowed:
+                    raise FormatError(f"{meta.name}: predictor modes not available with this bank/config")
+
+    def _symbols(self, meta, fetch, ti: int, j0: int, j1: int, n_rows: int):
+        """Symbols (channel-major ``[H*d, n_rows]``), per-row steps and zero-row mask of objects
+        ``j0..j1-1`` of tensor ``ti``."""
+        lay = self.layout
+        S = self.config.object_size
+        start = j0 * S
+        q = np.zeros((lay.kv_heads * lay.head_dim, n_rows), np.int32)  # as the entropy coder emits it
+        deltas = np.empty(j1 - j0, np.float32)
+        zero = np.zeros(j1 - j0, bool)
+        for j in range(j0, j1):
+            entry, payload = fetch(ti, j)
+            a = j * S - start
+            if entry.n_tokens != min(S, lay.n_tokens - j * S):
+                raise FormatError(f"{meta.name}: object {j} has the wrong length")
+            deltas[j - j0] = entry.delta
+            if entry.flags & OBJ_ZERO:
+                zero[j - j0] = True
+            else:
+                q[:, a:a + entry.n_tokens] = entropy.decode(payload, meta.models, (q.shape[0], entry.n_tokens),
+                                                            self.coder)
+        delta_rows, zero_rows = self.delta_rows(deltas, zero, start, n_rows)
+        return q, delta_rows, zero_rows
+
+    def decode_range(self, metas: list, fetch, j0: int, j1: int, layers=None, out=None):
+        """Decode objects ``j0..j1-1`` of every tensor up to the last layer in ``layers`` (an
+        iterable of layer indices; default all); yield ``(ti, name, array [kv_heads, rows, d])``
+        for the tensors of ``layers``. ``fetch(tensor_index, object_index)`` returns ``(entry,
+        payload)`` with ``entry`` having ``n_tokens``, ``flags`` and ``delta``. ``out(ti)``
+        (optional) returns the array ``[kv_heads, rows, d]`` (a view into the caller's buffer, of
+        the layout's dtype) to write tensor ``ti`` into; otherwise arrays are allocated."""
+        lay = self.layout
+        S = self.config.object_size
+        H, d = lay.kv_heads, lay.head_dim
+        wanted = set(range(lay.num_layers)) if layers is None else set(layers)
+        last = max(wanted)
+        start = j0 * S
+        recon: dict = {}
+        n_rows = min(lay.n_tokens, j1 * S) - start
+        for ti, (layer, kind) in enumerate(lay.tensors()):
+            if layer > last:
+                break
+            meta = metas[ti]
+            q, delta_rows, zr = self._symbols(meta, fetch, ti, j0, j1, n_rows)
+            emit = layer in wanted
+            dst = None
+            if emit:
+                dst = out(ti) if out is not None else np.empty((H, n_rows, d), self.frame.out_dtype)
+            for h in range(H):
+                blk = Block(layer, kind, h)
+                plan = self.plans[blk.name]
+                m = meta.modes[h]
+                base = plan.predict(m, recon, n_rows)
+                qh = q[h * d:(h + 1) * d]
+                rec = dequant_add(base, qh, delta_rows)
+                interp = np.nonzero(m & INTERP)[0]
+                if len(interp):  # odd rows of interpolated channels depend on their even neighbours
+                    wh = dequantize_residual(qh[interp].T, delta_rows, np.ones(len(interp), bool), S)
+                    rec[:, interp] = base[:, interp] + wh
+                if zr.any():
+                    rec[zr] = self.frame.zero_image(blk)
+                if plan.block in self._last_use:
+                    recon[blk.name] = rec
+                if emit:
+                    x = self.frame.to_native(rec, blk, start)
+                    if zr.any():
+                        x[zr] = 0
+                    dst[h] = x
+                self.prune(recon, blk.name)
+            if emit:
+                yield ti, meta.name, dst

@@ -1,0 +1,435 @@
+"""The AlignPred encoder: tensors -> objects of quantised, entropy-coded prediction residuals.
+
+Each tensor is cut into objects of ``object_size`` positions. Per block (one head of one tensor)
+and channel a prediction mode is chosen (:mod:`alignpred.predictors`); residuals are quantised on
+a lattice whose step is searched so that the *measured* error, after the inverse transform and
+the cast to the source dtype, meets ``eps`` in every unit of the scope (``object``, ``tensor`` or
+``pooled``; the pooled scope also caps every tensor at ``tensor_cap × eps``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import entropy
+from .chain import OBJ_ZERO, Chain, obj_sums
+from .errors import EncodeError, NonFiniteError
+from .layout import Block, tensor_name
+from .predictors import BASE_MASK, INTERP, ZERO
+from .quantize import channel_entropy_bits, quantize_residual
+from .ratesearch import bracket_search
+
+SCOPES = ("object", "tensor", "pooled")
+CHOICE_OBJECTS = 8  # the encoder chooses predictor modes on at most this many objects per tensor
+TENSOR_CAP = 3.0  # pooled scope: default cap of every tensor's NRMSE, in multiples of eps
+
+
+@dataclass
+class EncodedObject:
+    tensor: int
+    token_start: int
+    n_tokens: int
+    flags: int
+    delta: float
+    sq_err: float
+    sq_norm: float
+    payload: bytes
+
+
+@dataclass
+class TensorMeta:
+    """Per-tensor coding parameters (stored in the file header)."""
+
+    name: str
+    modes: np.ndarray  # uint8 [kv_heads, head_dim]
+    models: np.ndarray  # uint8 [kv_heads * head_dim]
+    sq_err: float = 0.0
+    sq_norm: float = 0.0
+    objects: list = field(default_factory=list, repr=False)
+
+
+class Encoder(Chain):
+    """Encode a cache in bounded memory. ``scope`` is ``object``, ``tensor`` or ``pooled``;
+    ``tensor_cap`` (pooled scope only; 0 = none) bounds every tensor's NRMSE by
+    ``tensor_cap * eps``.
+
+    Work runs *object chunk by object chunk* through every layer (``chunk_objects`` objects of
+    every tensor at a time), as predictions only combine rows of the same positions: memory
+    holds one chunk of each referenced block, never a whole tensor. The steps are searched
+    jointly: each pass codes the whole cache at one step per scope unit and measures every
+    object's error; units are updated together until all meet ``eps`` and lie within 0.6 % of
+    it. A last pass at the chosen steps emits the payloads, chunk-major
+    (:meth:`encode` yields them; :attr:`metas` holds the per-tensor parameters afterwards).
+
+    ``release(view)`` (optional) is called with every input slice once it has been read, e.g.
+    to drop mapped input pages from the resident set.
+    """
+
+    def __init__(self, layout, bank, config, eps: float, scope: str = "tensor", coder: str = "rans4",
+                 chunk_objects: int = 2, tensor_cap: float = TENSOR_CAP, plans=None):
+        super().__init__(layout, bank, config, coder, plans)
+        if not (0.0 < eps < 1.0):
+            raise EncodeError(f"eps must be in (0, 1), got {eps}")
+        if scope not in SCOPES:
+            raise EncodeError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
+        if not (tensor_cap == 0 or 1.0 <= tensor_cap < 1e6):
+            raise EncodeError(f"tensor_cap must be 0 (none) or >= 1, got {tensor_cap}")
+        self.eps = float(eps)
+        self.scope = scope
+        self.tensor_cap = float(tensor_cap) if scope == "pooled" else 0.0
+        self.chunk_objects = max(1, int(chunk_objects))
+        self.metas: list[TensorMeta] = []
+        self._release = None
+        self._early = None
+        S = config.object_size
+        self.n_obj = -(-layout.n_tokens // S)
+        self.tensors = layout.tensors()
+        self.obj_rows = np.minimum(S, layout.n_tokens - S * np.arange(self.n_obj))
+
+    # -- input -----------------------------------------------------------------------------------
+    def _rows(self, tensors, ti: int, a: int, b: int) -> np.ndarray:
+        """Native rows ``[a, b)`` of tensor ``ti`` as float32 ``[kv_heads, b - a, d]``."""
+        arr = tensors[tensor_name(*self.tensors[ti])]
+        arr = arr[0] if self.layout.batch_dim else arr
+        view = arr[:, a:b]
+        x = np.asarray(view, np.float32)
+        if self._release is not None:
+            self._release(view)
+        return x
+
+    def _norms(self, tensors) -> np.ndarray:
+        """Squared norm of every object ``[n_tensors, n_obj]`` (float64); rejects NaN/Inf."""
+        S, C = self.config.object_size, self.chunk_objects
+        norms = np.zeros((len(self.tensors), self.n_obj))
+        for j0 in range(0, self.n_obj, C):
+            j1 = min(self.n_obj, j0 + C)
+            a, b = j0 * S, min(self.layout.n_tokens, j1 * S)
+            for ti in range(len(self.tensors)):
+                x = self._rows(tensors, ti, a, b)
+                if not np.isfinite(x).all():
+                    bad = np.argwhere(~np.isfinite(x))
+                    h, t, c = (int(v) for v in bad[0])
+                    raise NonFiniteError(f"{tensor_name(*self.tensors[ti])}: {len(bad)}+ NaN/Inf values (first at "
+                                         f"head {h}, token {a + t}, channel {c}); kvz refuses non-finite input: fix "
+                                         "the cache or replace them before compressing")
+                sq = [np.einsum("ij,ij->i", xh.astype(np.float64), xh.astype(np.float64)) for xh in x]
+                norms[ti, j0:j1] = sum(obj_sums(v, S) for v in sq)  # per head, then summed: as before
+        return norms
+
+    # -- coding one head of one chunk ------------------------------------------------------------
+    def _code_head(self, plan, m, z, local, delta_rows, zero_rows, blk):
+        base = plan.predict(m, local, z.shape[0])
+        q, wh = quantize_residual(z - base, delta_rows, (m & INTERP) != 0, self.config.object_size)
+        rec = base + wh
+        if zero_rows.any():
+            q[zero_rows] = 0
+            rec[zero_rows] = self.frame.zero_image(blk)
+        return q, rec
+
+    def _row_errors(self, rec, xh, blk, start) -> np.ndarray:
+        """Squared error per row after the inverse transform and the cast, object by object."""
+        S = self.config.object_size
+        e = np.empty(rec.shape[0])
+        for a in range(0, rec.shape[0], S):
+            d = self.frame.to_native(rec[a:a + S], blk, start + a).astype(np.float64) - xh[a:a + S]
+            e[a:a + S] = np.einsum("ij,ij->i", d, d)
+        return e
+
+    # -- predictor modes and first steps, on a sample of objects --------------------------------
+    def _sample_objects(self) -> np.ndarray:
+        if self.n_obj <= CHOICE_OBJECTS:
+            return np.arange(self.n_obj)
+        return np.unique(np.linspace(0, self.n_obj - 1, CHOICE_OBJECTS).round().astype(int))
+
+    def _sample_search(self, tensors, norms, zero, progress=None):
+        """Predictor modes and steps measured on at most :data:`CHOICE_OBJECTS` objects spread
+        over the cache (all of them in short caches, where the result is final).
+
+        Tensor and object scope: tensor by tensor, the modes with the smallest estimated cost at
+        the initial step, then the step search with earlier tensors' sampled rows fixed.
+        Pooled: whole-sample passes (one step, tensors over their cap with their own). Returns
+        ``(modes, delta [n_tensors, n_obj] float32, token histograms of the sample at delta)``."""
+        S = self.config.object_size
+        objs = self._sample_objects()
+        lay = self.layout
+        H, d = lay.kv_heads, lay.head_dim
+        n_t = len(self.tensors)
+        zs_cache: dict = {}
+
+        def sample(ti):
+            if ti not in zs_cache:
+                layer, kind = self.tensors[ti]
+                x = [self._rows(tensors, ti, j * S, j * S + int(self.obj_rows[j])) for j in objs]
+                z = [np.concatenate([self.frame.to_frame(xj[h], Block(layer, kind, h), j * S)
+                                     for xj, j in zip(x, objs)]) for h in range(H)]
+                zs_cache.clear()  # one tensor's sample at a time
+                zs_cache[ti] = (np.concatenate(x, axis=1), z)
+            return zs_cache[ti]
+
+        def code(ti, delta_obj, local, modes):
+            """Code tensor ``ti``'s sample; returns (modes, per-object error, recs, hist, q)."""
+            layer, kind = self.tensors[ti]
+            x, z = sample(ti)
+            dr, zr = zip(*(self.delta_rows(delta_obj[k:k + 1], zero[ti, j:j + 1], j * S) for k, j in enumerate(objs)))
+            delta_rows, zero_rows = np.concatenate(dr), np.concatenate(zr)
+            loc = dict(local)
+            err = np.zeros(len(objs))
+            hist = np.zeros((H * d, entropy.N_TOKENS), np.int32)
+            chosen = []
+            q_all = np.empty((len(delta_rows), H * d), np.int32)
+            for h in range(H):
+                blk = Block(layer, kind, h)
+                plan = self.plans[blk.name]
+                m = self._choose(plan, z[h], loc, delta_rows) if modes is None else modes[h]
+                q, loc[blk.name] = self._code_head(plan, m, z[h], loc, delta_rows, zero_rows, blk)
+                q_all[:, h * d:(h + 1) * d] = q
+                e = np.concatenate([self._row_errors(loc[blk.name][k * S:k * S + int(self.obj_rows[j])], x[h][k * S:],
+                                                     blk, j * S) for k, j in enumerate(objs)])
+                e[zero_rows] = 0.0
+                err += obj_sums(e, S)
+                if (~zero_rows).any():
+                    hist[h * d:(h + 1) * d] = entropy.histogram(np.ascontiguousarray(q[~zero_rows].T))[0]
+                chosen.append(m)
+            return np.stack(chosen), err, {b: loc[b] for b in loc if b not in local}, hist, q_all
+
+        rows = self.obj_rows[objs] * H * d
+        modes: list = [None] * n_t
+        hists = np.zeros((n_t, H * d, entropy.N_TOKENS), np.int32)
+        delta = np.zeros((n_t, self.n_obj), np.float32)
+        if self.scope == "pooled":
+            def evaluate(dt):  # one step per tensor -> (errors per tensor, histograms)
+                local: dict = {}
+                errs, hs = np.zeros(n_t), []
+                for ti in range(n_t):
+                    modes[ti], err, recs, h, _ = code(ti, np.full(len(objs), dt[ti], np.float32), local, modes[ti])
+                    local.update(recs)
+                    for b in recs:
+                        self.prune(local, b)
+                    errs[ti] = float(err.sum())
+                    hs.append(h)
+                return errs, hs
+
+            norm_t = norms[:, objs].sum(axis=1)
+            g0 = max(self.eps * np.sqrt(12.0 * norm_t.sum() / (rows.sum() * n_t)), 1e-30)
+            dt, hs = self._pooled_search(evaluate, np.full(n_t, g0), norm_t)
+            return modes, np.repeat(dt.astype(np.float32)[:, None], self.n_obj, axis=1), np.stack(hs)
+        local: dict = {}
+        for ti in range(n_t):
+            if self.scope == "object":
+                target = self.eps ** 2 * norms[ti, objs]
+                d0 = self.eps * np.sqrt(12.0 * norms[ti, objs] / rows)
+            else:
+                norm = norms[ti, objs].sum()
+                target = np.array([self.eps ** 2 * norm])
+                d0 = np.array([self.eps * np.sqrt(12.0 * norm / rows.sum())])
+            d0 = np.maximum(d0, 1e-30)
+            expand = (lambda dl: dl) if self.scope == "object" else (lambda dl: np.full(len(objs), dl[0]))
+
+            def evaluate(dl):
+                m, err, recs, h, q = code(ti, expand(dl.astype(np.float32)).astype(np.float32), local, modes[ti])
+                modes[ti] = m
+                return (err if self.scope == "object" else np.array([err.sum()])), (recs, h, q, err)
+
+            dl, (recs, hists[ti], q, err) = bracket_search(evaluate, d0, target,
+                                                           f"{tensor_name(*self.tensors[ti])}: ")
+            local.update(recs)
+            for b in recs:
+                self.prune(local, b)
+            dl = expand(dl.astype(np.float32))
+            if self.scope == "object":  # unsampled objects: their initial step scaled like the sample's
+                full0 = np.maximum(self.eps * np.sqrt(12.0 * norms[ti] / (self.obj_rows * H * d)), 1e-30)
+                delta[ti] = full0 * float(np.median(dl / d0))
+                delta[ti, objs] = dl
+            else:
+                delta[ti] = dl[0]
+            if progress:  # in positions of the whole cache, like the passes
+                progress(int(self.obj_rows[objs].sum()) / n_t)
+            if self.n_obj <= CHOICE_OBJECTS:  # the sample is the cache: this tensor is final
+                models = self._models(hists[ti], zero[ti])
+                self._early["models"].append(models)
+                self._early["objects"].extend(self._objects(ti, q, 0, self.n_obj, 0, delta, zero, err, models))
+        return modes, delta, hists
+
+    def _pooled_search(self, evaluate, d0, norm_t, aim: float = 1.0, widen: int = 0):
+        """Pooled scope: one step ``g`` for every tensor, except that a tensor whose NRMSE would
+        pass ``tensor_cap × eps`` gets the largest step of its own that keeps it under the cap
+        (found with ``g`` fixed), then ``g`` is searched again, at most three rounds, with a final
+        shrink so both the pooled budget and every cap hold. ``evaluate(steps per tensor)``
+        returns ``(errors per tensor, result)``; returns ``(steps, result)``."""
+        target = np.array([self.eps ** 2 * norm_t.sum()])
+        cap_t = (self.tensor_cap * self.eps) ** 2 * norm_t if self.tensor_cap else np.full(len(norm_t), np.inf)
+        g = np.array([float(np.max(d0))])
+        cap_step = np.where(d0 < g[0], d0, np.inf) if self.tensor_cap else np.full(len(norm_t), np.inf)
+
+        def steps(g):
+            return np.minimum(g, cap_step)
+
+        def pooled(gv):
+            e, res = evaluate(steps(gv[0]))
+            return np.array([e.sum()]), (e, res)
+
+        for _ in range(3):
+            g, (e, res) = bracket_search(pooled, g, target, "", aim=aim, widen=widen)
+            over = e > cap_t
+            if not over.any():
+                return steps(g[0]), res
+            idx = np.nonzero(over)[0]
+
+            def capped(dc):
+                cs = cap_step.copy()
+                cs[idx] = dc
+                e2, r2 = evaluate(np.minimum(g[0], cs))
+                return e2[idx], (e2, r2)
+
+            start = np.minimum(g[0], cap_step[idx]) * np.sqrt(cap_t[idx] / np.maximum(e[idx], 1e-300))
+            dc, _ = bracket_search(capped, start, cap_t[idx], "", aim=aim, widen=widen)
+            cap_step[idx] = dc
+        # Last check: both constraints, shrinking what fails.
+        for _ in range(40):
+            e, res = evaluate(steps(g[0]))
+            if e.sum() <= target[0] and np.all(e <= cap_t):
+                return steps(g[0]), res
+            if e.sum() > target[0]:
+                g = g * 0.995
+            over = e > cap_t
+            cap_step[over] = np.minimum(g[0], cap_step[over]) * 0.995
+        raise EncodeError("cannot meet the pooled error budget and the tensor cap together")
+
+    def _choose(self, plan, z, local, delta_rows) -> np.ndarray:
+        cfg = self.config
+        cands = plan.modes()
+        bases = {bb: plan.base(bb, local) for bb in {m & BASE_MASK for m in cands} if bb != ZERO}
+        bits = np.empty((len(cands), z.shape[1]))  # [n_modes, d]
+        for c0 in range(0, z.shape[1], 64):  # channels are independent: small temporaries
+            cs = slice(c0, c0 + 64)
+            for k, m in enumerate(cands):
+                w = z[:, cs] - bases[m & BASE_MASK][:, cs] if m & BASE_MASK != ZERO else z[:, cs]
+                q, _ = quantize_residual(w, delta_rows, np.full(w.shape[1], bool(m & INTERP)), cfg.object_size)
+                bits[k, cs] = channel_entropy_bits(q)
+        cands = np.array(cands, np.uint8)
+        if cfg.channel_choice:
+            return cands[np.argmin(bits, axis=0)]
+        return np.full(z.shape[1], cands[int(np.argmin(bits.sum(axis=1)))], np.uint8)
+
+    # -- one pass over the cache -----------------------------------------------------------------
+    def _pass(self, tensors, delta, zero, modes, models=None, progress=None):
+        """Code the whole cache at steps ``delta [n_tensors, n_obj]``, chunk by chunk through
+        every layer. Returns ``(sq_err [n_tensors, n_obj], token histograms per tensor)``;
+        with ``models`` (emission) it is a generator of :class:`EncodedObject` instead."""
+        lay = self.layout
+        S, C = self.config.object_size, self.chunk_objects
+        H, d = lay.kv_heads, lay.head_dim
+        err = np.zeros(delta.shape)
+        hist = np.zeros((len(self.tensors), H * d, entropy.N_TOKENS), np.int32)  # < 2**31 rows per tensor
+        for j0 in range(0, self.n_obj, C):
+            j1 = min(self.n_obj, j0 + C)
+            a, b = j0 * S, min(lay.n_tokens, j1 * S)
+            local: dict = {}
+            for ti, (layer, kind) in enumerate(self.tensors):
+                x = self._rows(tensors, ti, a, b)
+                delta_rows, zero_rows = self.delta_rows(delta[ti, j0:j1], zero[ti, j0:j1], a)
+                q = np.empty((b - a, H * d), np.int32)
+                for h in range(H):
+                    blk = Block(layer, kind, h)
+                    z = self.frame.to_frame(x[h], blk, a)
+                    q[:, h * d:(h + 1) * d], local[blk.name] = self._code_head(
+                        self.plans[blk.name], modes[ti][h], z, local, delta_rows, zero_rows, blk)
+                    e = self._row_errors(local[blk.name], x[h], blk, a)
+                    e[zero_rows] = 0.0
+                    err[ti, j0:j1] += obj_sums(e, S)
+                    self.prune(local, blk.name)
+                live = ~zero_rows
+                if models is None:
+                    if live.any():
+                        hist[ti] += entropy.histogram(np.ascontiguousarray(q[live].T))[0]
+                    continue
+                yield from self._objects(ti, q, j0, j1, a, delta, zero, err[ti, j0:j1], models[ti])
+            if progress:
+                progress(b - a)
+        if models is None:
+            yield err, hist
+
+    def _objects(self, ti, q, j0, j1, a, delta, zero, err, models):
+        """Entropy-code objects ``j0..j1-1`` of tensor ``ti`` from ``q`` (rows from position
+        ``a``); ``err`` holds their squared errors."""
+        S = self.config.object_size
+        for j in range(j0, j1):
+            r0, r1 = j * S - a, j * S - a + int(self.obj_rows[j])
+            if zero[ti, j]:
+                payload, flags = b"", OBJ_ZERO
+            else:
+                payload, flags = entropy.encode(np.ascontiguousarray(q[r0:r1].T), models, self.coder), 0
+            yield EncodedObject(tensor=ti, token_start=j * S, n_tokens=r1 - r0, flags=flags,
+                                delta=float(delta[ti, j]), sq_err=float(err[j - j0]), sq_norm=0.0, payload=payload)
+
+    @staticmethod
+    def _models(hist, zero) -> np.ndarray:
+        return entropy.models_from_histogram(hist) if not zero.all() else np.zeros(hist.shape[0], np.uint8)
+
+    def _evaluate(self, *args, **kw):
+        return next(self._pass(*args, **kw))
+
+    # -- step search over the whole cache -------------------------------------------------------
+    def _units(self) -> np.ndarray:
+        """Scope unit of every object ``[n_tensors, n_obj]`` (pooled: one unit per tensor, whose
+        steps the pooled search ties together)."""
+        n_t = len(self.tensors)
+        if self.scope == "object":
+            return np.arange(n_t * self.n_obj).reshape(n_t, self.n_obj)
+        return np.repeat(np.arange(n_t)[:, None], self.n_obj, axis=1)
+
+    def _search(self, tensors, norms, zero, progress=None):
+        """Steps (one per scope unit) whose measured errors all meet the budget, searched jointly
+        by whole-cache passes from the sample's steps. Returns ``(delta [n_tensors, n_obj]
+        float32, modes, token histograms at delta)``."""
+        modes, d_sample, hist = self._sample_search(tensors, norms, zero, progress)
+        if self.n_obj <= CHOICE_OBJECTS:
+            return d_sample, modes, hist  # the sample is the whole cache
+        unit = self._units()
+        n_u = int(unit.max()) + 1
+        first = np.zeros(n_u)
+        first[unit.ravel()] = d_sample.ravel()
+
+        def evaluate(dl):
+            e, h = self._evaluate(tensors, dl.astype(np.float32)[unit], zero, modes, progress=progress)
+            return np.bincount(unit.ravel(), e.ravel(), n_u), h
+
+        # Aim at the middle of the band: a unit's error drifts a little when other units' steps
+        # change (through predictions), and should stay inside it.
+        if self.scope == "pooled":
+            dl, hist = self._pooled_search(evaluate, first, norms.sum(axis=1), aim=0.997, widen=4)
+        else:
+            target = self.eps ** 2 * np.bincount(unit.ravel(), norms.ravel(), n_u)
+            dl, hist = bracket_search(evaluate, first, target, "", aim=0.997, widen=4)
+        return dl.astype(np.float32)[unit], modes, hist
+
+    # -- driver ----------------------------------------------------------------------------------
+    def encode(self, tensors: dict, progress=None, release=None):
+        """Yield every :class:`EncodedObject` (chunk-major after whole-cache passes: all tensors
+        of object chunk 0, then chunk 1, ...; tensor by tensor for short caches); :attr:`metas`
+        is filled when the generator is exhausted. ``progress(n)`` is called with the work done,
+        in positions of the whole cache (each pass counts every position once; the number of
+        passes is not known in advance)."""
+        self._release = release
+        norms = self._norms(tensors)
+        zero = norms == 0
+        # Short caches (tensor/object scope) are final after the sample search, which codes each
+        # tensor's objects as it goes (models first, then its objects); otherwise one more pass.
+        early: dict = {"models": [], "objects": []}
+        self._early = early if self.n_obj <= CHOICE_OBJECTS and self.scope != "pooled" else None
+        delta, modes, hist = self._search(tensors, norms, zero, progress)
+        if self._early is not None:
+            models, emitted = early["models"], early["objects"]
+        else:
+            models = [self._models(h, z) for h, z in zip(hist, zero)]
+            emitted = self._pass(tensors, delta, zero, modes, models, progress)
+        self._early = None
+        err = np.zeros(delta.shape)
+        for ob in emitted:
+            ob.sq_norm = float(norms[ob.tensor, ob.token_start // self.config.object_size])
+            err[ob.tensor, ob.token_start // self.config.object_size] = ob.sq_err
+            yield ob
+        self.metas = [TensorMeta(name=tensor_name(layer, kind), modes=modes[ti].astype(np.uint8), models=models[ti],
+                                 sq_err=float(err[ti].sum()), sq_norm=float(norms[ti].sum()))
+                      for ti, (layer, kind) in enumerate(self.tensors)]

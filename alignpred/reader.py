@@ -1,0 +1,439 @@
+"""Read .kvz files: from a path, bytes, a memoryview or an mmap; whole, or a token range of some
+layers, into new arrays or into the caller's buffers, layer by layer.
+
+>>> import numpy as np
+>>> from alignpred import Cache, compress_bytes, fit_bank
+>>> rng = np.random.default_rng(0)
+>>> kv = [(rng.standard_normal((2, 300, 16)).astype(np.float16),) * 2 for _ in range(3)]
+>>> cache = Cache.from_arrays(kv)
+>>> bank = fit_bank([cache], rank=None)
+>>> r = KvzReader(compress_bytes(cache, eps=0.05, bank=bank), bank=bank)
+>>> k = np.zeros((2, 100, 16), np.float16); v = np.zeros_like(k)        # the caller's buffers
+>>> for layer, key, value in r.layers(tokens=(200, 300), out=lambda i: (k, v)):
+...     pass                                                            # (a forward pass would run here)
+>>> bool(np.array_equal(v, r.read(tokens=(200, 300))["layers.2.value"]))
+True
+"""
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from . import entropy
+from .arrays import as_numpy
+from .bank import Bank
+from .banks import find as find_bank
+from .banks import lookup, missing_bank_error
+from .chain import OBJ_ZERO
+from .config import CodecConfig
+from .decoder import Decoder
+from .errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError
+from .format.container import ENTRY_SIZE, PREAMBLE_SIZE, crc32, parse_container
+from .header import _f32, _nonneg, check_bank, check_header, tensor_metas
+from .io import map_file, release_pages
+from .layout import CacheLayout, numpy_dtype
+
+
+class DecoderSession:
+    """Decoder set-up shared across files: banks by id, and prediction plans per (bank, codec
+    configuration, layout shape). A loader that decodes many small files (chunks of a chunk
+    store) passes one session to every :class:`KvzReader` and pays the set-up once; readers
+    without one share a module-wide session.
+
+    ``banks``: banks to use by id before the registry is asked (e.g. one loaded once).
+    """
+
+    def __init__(self, banks=(), max_plans: int = 8):
+        self._banks = {b.id: b for b in banks}
+        self._plans: OrderedDict = OrderedDict()
+        self.max_plans = max_plans
+        self.plans_built = 0
+
+    def bank(self, bank_id: str, layout, where: str = "") -> Bank:
+        b = self._banks.get(bank_id)
+        if b is None:
+            e = lookup(bank_id)
+            if e is None:
+                raise missing_bank_error(bank_id, layout, where)
+            b = self._banks[bank_id] = e.load()
+        return b
+
+    def add_bank(self, bank: Bank) -> None:
+        self._banks[bank.id] = bank
+
+    def decoder(self, layout, bank: Bank, config: CodecConfig, coder: str) -> Decoder:
+        """A decoder with plans from the cache (built and the bank checked on first use)."""
+        key = (bank.id, json.dumps(config.to_json(), sort_keys=True), tuple(sorted(layout.signature().items())))
+        plans = self._plans.get(key)
+        if plans is None:
+            check_bank(bank, layout, config)
+            dec = Decoder(layout, bank, config, coder)
+            self.plans_built += 1
+            self._plans[key] = dec.plans
+            while len(self._plans) > self.max_plans:
+                self._plans.popitem(last=False)
+            return dec
+        self._plans.move_to_end(key)
+        return Decoder(layout, bank, config, coder, plans=plans)
+
+
+DEFAULT_SESSION = DecoderSession()
+
+
+def _buffer(source):
+    """``(memoryview, name for messages)`` of a path, bytes-like object or mmap."""
+    if isinstance(source, (str, os.PathLike)):
+        return map_file(source), os.fspath(source)
+    if isinstance(source, mmap.mmap):
+        return memoryview(source), "<mmap>"
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        mv = memoryview(source)
+        return (mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv), "<bytes>"
+    if isinstance(source, np.ndarray):
+        return memoryview(np.ascontiguousarray(source).view(np.uint8).reshape(-1)), "<array>"
+    raise KvzError(f"cannot read a .kvz from a {type(source).__name__}: give a path, bytes, a memoryview or an mmap")
+
+
+class KvzReader:
+    """Random-access reader of a .kvz file. Everything but the payloads is verified on open;
+    payload checksums are verified as objects are decoded.
+
+    ``source``: a path, ``bytes``/``bytearray``/``memoryview`` or ``mmap``. ``bank``: a
+    :class:`Bank`, a path, a registry id or name, or None (the embedded bank, or the registry's
+    bank with the file's id). ``session``: a :class:`DecoderSession` (default: a shared one).
+    """
+
+    def __init__(self, source, bank=None, session: DecoderSession | None = None):
+        self._buf, self.path = _buffer(source)
+        try:
+            parsed = parse_container(self._buf)
+        except FormatError as e:
+            raise type(e)(f"{self.path}: {e}") from None
+        self.header = parsed.header
+        self.index = parsed.index
+        self._footer = parsed.footer
+        self.version = parsed.version
+        try:
+            self._validate()
+        except (FormatError, LayoutError) as e:
+            raise FormatError(f"{self.path}: {e}") from None
+        self._bank_arg = bank
+        self._decoder = None
+        self.session = session or DEFAULT_SESSION
+        self.objects_decoded = 0
+
+    # -- validation ------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        h = self.header
+        check_header(h)
+        try:
+            self.layout = CacheLayout.from_json(h["layout"])
+            codec = h["codec"]
+            self.config = CodecConfig.from_json(codec["config"])
+            self.eps = float(codec["eps"])
+            self.scope = str(codec["eps_scope"])
+            self.tensor_cap = float(codec.get("tensor_cap", 0.0))
+            ent = codec["entropy"]
+            self.bank_id = str(h["bank"]["id"])
+        except (KeyError, TypeError, ValueError, LayoutError, KvzError) as e:
+            raise FormatError(f"malformed header ({type(e).__name__}: {e})") from None
+        if codec.get("name") != "alignpred":
+            raise FormatError(f"unknown codec {codec.get('name')!r}")
+        if ent.get("coder") not in entropy.CODERS or ent.get("model_set") != entropy.MODEL_SET_ID or ent.get("prec") != entropy.PREC:
+            raise FormatError(f"unsupported entropy coder {ent!r}")
+        from .header import minor_for
+
+        if self.version[1] < minor_for(self.layout, self.config, self.tensor_cap):
+            raise FormatError(f"the header uses features of a newer minor version than the file's {self.version}")
+        lay = self.layout
+        S = self.config.object_size
+        self.metas = tensor_metas(h, lay)
+        n_obj = -(-lay.n_tokens // S)
+        if len(self.index) != n_obj * len(self.metas):
+            raise FormatError(f"index holds {len(self.index)} objects, layout needs {n_obj * len(self.metas)}")
+        prev_end = PREAMBLE_SIZE
+        for k, e in enumerate(self.index):
+            ti, j = divmod(k, n_obj)
+            want_n = min(S, lay.n_tokens - j * S)
+            if e.tensor != ti or e.token_start != j * S or e.n_tokens != want_n:
+                raise FormatError(f"index entry {k} does not follow the layout order")
+            if e.flags & ~OBJ_ZERO or bool(e.flags & OBJ_ZERO) != (e.length == 0):
+                raise FormatError(f"index entry {k} has invalid flags")
+            if not _f32(e.delta) or (not (e.flags & OBJ_ZERO) and not e.delta > 0):
+                raise FormatError(f"index entry {k} has an invalid quantisation step")
+            if not (_nonneg(e.sq_err) and _nonneg(e.sq_norm)):
+                raise FormatError(f"index entry {k} has invalid error statistics")
+            if e.offset != prev_end:
+                raise FormatError(f"index entry {k}: payloads must be contiguous")
+            prev_end = e.offset + e.length
+        emb = self.header["bank"].get("embedded")
+        end = prev_end + (int(emb["length"]) if emb else 0)
+        if emb and int(emb["offset"]) != prev_end:
+            raise FormatError("embedded bank offset is inconsistent")
+        if end != self._footer.header_offset:
+            raise FormatError("payloads do not end where the header starts")
+        self.n_objects_per_tensor = n_obj
+
+    # -- bank ------------------------------------------------------------------------------------
+    def _resolve_bank(self) -> Bank:
+        emb = self.header["bank"].get("embedded")
+        if emb:
+            a, n = int(emb["offset"]), int(emb["length"])
+            raw = self._buf[a:a + n]
+            if crc32(raw) != int(emb["crc32"]):
+                raise ChecksumError(f"{self.path}: embedded bank checksum mismatch")
+            try:
+                bank = Bank.from_bytes(raw)
+            except KvzError as e:
+                raise BankMismatchError(f"{self.path}: embedded bank is invalid: {e}") from None
+            except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as e:
+                raise BankMismatchError(f"{self.path}: embedded bank is malformed ({type(e).__name__})") from None
+        elif self._bank_arg is None:
+            bank = self.session.bank(self.bank_id, self.layout, f"{self.path} ")
+        else:
+            bank = find_bank(self._bank_arg, self.layout)
+        if bank.id != self.bank_id:
+            raise BankMismatchError(f"{self.path} needs bank {self.bank_id[:19]}… but got {bank.id[:19]}…; "
+                                    "use the bank the file was compressed with")
+        return bank
+
+    @property
+    def decoder(self) -> Decoder:
+        if self._decoder is None:
+            bank = self._resolve_bank()
+            try:
+                dec = self.session.decoder(self.layout, bank, self.config, self.header["codec"]["entropy"]["coder"])
+            except BankMismatchError as e:
+                raise BankMismatchError(f"{self.path}: {e}") from None
+            try:
+                dec.check(self.metas)
+            except FormatError as e:
+                raise FormatError(f"{self.path}: {e}") from None
+            self._decoder = dec
+        return self._decoder
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _fetch(self, ti: int, j: int):
+        e = self.index[ti * self.n_objects_per_tensor + j]
+        payload = self._buf[e.offset:e.offset + e.length]
+        if crc32(payload) != e.crc:
+            raise ChecksumError(f"{self.path}: checksum mismatch in {self.metas[ti].name} tokens "
+                                f"{e.token_start}..{e.token_start + e.n_tokens}")
+        self.objects_decoded += 1
+        return e, payload
+
+    def verify(self, entries=None, bank: bool | None = None) -> int:
+        """Check payload checksums without decoding (all index entries, or the given entry
+        indices) and, with ``bank`` (default: when checking all entries), the embedded bank's;
+        raises ChecksumError. Returns the bytes checked. Together with the checks on open, this
+        covers every byte of the file."""
+        n_obj = self.n_objects_per_tensor
+        ks = range(len(self.index)) if entries is None else entries
+        total = 0
+        for k in ks:
+            e = self.index[int(k)]
+            payload = self._buf[e.offset:e.offset + e.length]
+            if crc32(payload) != e.crc:
+                ti = int(k) // n_obj
+                raise ChecksumError(f"{self.path}: checksum mismatch in {self.metas[ti].name} tokens "
+                                    f"{e.token_start}..{e.token_start + e.n_tokens}")
+            total += len(payload)
+        emb = self.header["bank"].get("embedded")
+        if emb and (entries is None if bank is None else bank):
+            raw = self._buf[emb["offset"]:emb["offset"] + emb["length"]]
+            if crc32(raw) != emb["crc32"]:
+                raise ChecksumError(f"{self.path}: embedded bank checksum mismatch")
+            total += len(raw)
+        return total
+
+    def _range(self, tokens, layers):
+        lay = self.layout
+        a, b = (0, lay.n_tokens) if tokens is None else (int(tokens[0]), int(tokens[1]))
+        if not (0 <= a < b <= lay.n_tokens):
+            raise KvzError(f"token range {a}..{b} is outside 0..{lay.n_tokens}")
+        if layers is None:
+            sel = list(range(lay.num_layers))
+        elif isinstance(layers, (int, np.integer)):
+            if not (1 <= int(layers) <= lay.num_layers):
+                raise KvzError(f"layers must be in 1..{lay.num_layers}")
+            sel = list(range(int(layers)))
+        else:
+            sel = sorted({int(i) for i in layers})
+            if not sel or sel[0] < 0 or sel[-1] >= lay.num_layers:
+                raise KvzError(f"layer indices must be in 0..{lay.num_layers - 1}")
+        return a, b, sel
+
+    def _out_view(self, out, ti: int, name: str, n: int):
+        """The caller's buffer for tensor ``ti`` as ``[kv_heads, n, d]`` (checked)."""
+        lay = self.layout
+        buf = out(name) if callable(out) else out.get(name) if isinstance(out, dict) else None
+        if buf is None:
+            raise KvzError(f"no output buffer for {name}")
+        arr = as_numpy(buf, writable=True)
+        if arr.ndim == 4 and arr.shape[0] == 1:
+            arr = arr[0]
+        want = (lay.kv_heads, n, lay.head_dim)
+        if arr.shape != want:
+            raise KvzError(f"output buffer for {name} has shape {tuple(arr.shape)}, expected {want} "
+                           f"(or {(1,) + want})")
+        if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != numpy_dtype("bfloat16"):
+            raise KvzError(f"output buffer for {name} has dtype {arr.dtype}; give a floating-point buffer")
+        return arr
+
+    def _decode(self, a: int, b: int, sel: list, out=None):
+        """Yield ``(ti, name, array [kv_heads, b-a, d])`` for the tensors of layers ``sel``."""
+        S = self.config.object_size
+        j0, j1 = a // S, -(-b // S)
+        cut = slice(a - j0 * S, b - j0 * S)
+        full = cut.start == 0 and cut.stop == min(self.layout.n_tokens, j1 * S) - j0 * S
+        dec = self.decoder
+        try:
+            if out is not None and full:  # decode straight into the caller's buffer
+                views = {}
+
+                def target(ti):
+                    name = self.metas[ti].name
+                    views[ti] = self._out_view(out, ti, name, b - a)
+                    return views[ti]
+
+                for ti, name, arr in dec.decode_range(self.metas, self._fetch, j0, j1, sel, out=target):
+                    yield ti, name, arr
+                return
+            for ti, name, arr in dec.decode_range(self.metas, self._fetch, j0, j1, sel):
+                arr = arr[:, cut]
+                if out is not None:
+                    dst = self._out_view(out, ti, name, b - a)
+                    dst[...] = arr
+                    arr = dst
+                yield ti, name, arr
+        except FormatError as e:
+            if self.path in str(e):
+                raise
+            raise type(e)(f"{self.path}: {e}") from None
+
+    def iter_layers(self, tokens: tuple[int, int] | None = None, layers=None, out=None):
+        """Yield ``(name, array)`` tensor by tensor (layer by layer, key then value) for a token
+        range ``[a, b)`` of ``layers`` (the first N layers for an int, or an iterable of layer
+        indices); only the objects covering the range are read. With ``out`` (a dict name ->
+        buffer, or a callable name -> buffer; numpy arrays or CPU torch tensors shaped
+        ``[kv_heads, b-a, d]``) values are written into the caller's buffers, which are yielded."""
+        lay = self.layout
+        a, b, sel = self._range(tokens, layers)
+        for _, name, arr in self._decode(a, b, sel, out):
+            if out is None and lay.batch_dim:
+                arr = arr[None]
+            yield name, arr
+
+    def layers(self, tokens=None, layers=None, out=None):
+        """Yield ``(layer, key, value)`` layer by layer, in step with a forward pass. ``out``: a
+        callable ``layer -> (key_buffer, value_buffer)`` or a dict of buffers by tensor name."""
+        pending: dict = {}
+        fn = None
+        if callable(out):
+            bufs: dict = {}
+
+            def fn(name):
+                i, kind = int(name.split(".")[1]), name.split(".")[2]
+                if i not in bufs:
+                    bufs[i] = out(i)
+                return bufs[i][0 if kind == "key" else 1]
+        for name, arr in self.iter_layers(tokens, layers, fn or out):
+            i = int(name.split(".")[1])
+            pending[name.split(".")[2]] = arr
+            if len(pending) == 2:
+                yield i, pending["key"], pending["value"]
+                pending = {}
+
+    def read(self, tokens=None, layers=None) -> dict:
+        """Decode into ``{name: array}`` (the source's names, shapes and dtype)."""
+        return dict(self.iter_layers(tokens, layers))
+
+    def read_into(self, out, tokens=None, layers=None):
+        """Decode into the caller's buffers (see :meth:`iter_layers`); returns ``out``."""
+        for _ in self.iter_layers(tokens, layers, out):
+            pass
+        return out
+
+    def decompress_to(self, path, tokens=None, layers=None, chunk_objects: int = 1, progress=None) -> int:
+        """Decode into a safetensors file (atomically) in bounded memory: object range by object
+        range through every layer, each slice written at its place in the output, so only
+        ``chunk_objects`` × 256 positions of the cache are in memory at a time. Returns the bytes
+        written. ``progress(n)`` is called with the number of positions finished."""
+        from .cachefile import safetensors_header
+        from .io import atomic_file
+
+        lay = self.layout
+        a, b, sel = self._range(tokens, layers)
+        S = self.config.object_size
+        n_tok = b - a
+        shape = lay.with_tokens(n_tok).tensor_shape()
+        dt = numpy_dtype(lay.dtype)
+        names = [n for n in lay.tensor_names() if int(n.split(".")[1]) in set(sel)]
+        head = safetensors_header([(n, shape, dt) for n in names], self._slice_metadata(a, sel))
+        t_bytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        row_bytes = lay.head_dim * dt.itemsize
+        step = max(1, int(chunk_objects)) * S
+        slot = {n: k for k, n in enumerate(names)}
+        with atomic_file(path) as f:
+            f.write(head)
+            f.truncate(len(head) + t_bytes * len(names))
+            for c0 in range((a // S) * S, b, step):
+                lo, hi = max(a, c0), min(b, c0 + step)
+                for _, name, arr in self._decode(lo, hi, sel):
+                    for h in range(lay.kv_heads):
+                        f.seek(len(head) + slot[name] * t_bytes + (h * n_tok + lo - a) * row_bytes)
+                        f.write(np.ascontiguousarray(arr[h]).tobytes())
+                release_pages(self._buf)
+                if progress:
+                    progress(hi - lo)
+        return len(head) + t_bytes * len(names)
+
+    def _slice_metadata(self, start: int, sel: list) -> dict:
+        """The source metadata, adjusted for a decoded subset: per-layer lists cut to the layers
+        kept, and the RoPE position offset moved to the first token kept."""
+        meta = dict(self.header.get("source_metadata", {}))
+        lay = self.layout
+        keep = list(sel)
+        for key in ("layer_types", "rope_theta"):
+            if key in meta:
+                try:
+                    v = json.loads(meta[key])
+                    meta[key] = json.dumps([v[i] for i in keep]) if isinstance(v, list) else meta[key]
+                except (ValueError, TypeError, IndexError):
+                    del meta[key]
+        if "rope" in meta and lay.rope is not None:
+            spec = lay.rope
+            meta["rope"] = json.dumps({"tables": [t.to_json() for t in spec.tables],
+                                       "layer_table": [spec.layer_table[i] for i in keep]})
+        if start or "position_offset" in meta:
+            meta["position_offset"] = str(lay.position_offset + start)
+        return meta
+
+    # -- summary ---------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        lay = self.layout
+        size = len(self._buf)
+        per = {}
+        for ti, m in enumerate(self.metas):
+            ents = self.index[ti * self.n_objects_per_tensor:(ti + 1) * self.n_objects_per_tensor]
+            nbytes = sum(e.length for e in ents) + ENTRY_SIZE * len(ents)
+            n_vals = lay.kv_heads * lay.n_tokens * lay.head_dim
+            per[m.name] = {"nrmse": math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0,
+                           "bpv_payload": 8.0 * nbytes / n_vals,
+                           "max_object_nrmse": max((math.sqrt(e.sq_err / e.sq_norm) if e.sq_norm > 0 else 0.0)
+                                                   for e in ents)}
+        tot_e = sum(m.sq_err for m in self.metas)
+        tot_n = sum(m.sq_norm for m in self.metas)
+        emb = self.header["bank"].get("embedded")
+        return {"file": self.path, "version": ".".join(map(str, self.version)), "layout": lay.to_json(),
+                "eps": self.eps, "eps_scope": self.scope, "tensor_cap": self.tensor_cap,
+                "config": self.config.to_json(), "bank_id": self.bank_id, "bank_embedded": bool(emb),
+                "bank_bytes": int(emb["length"]) if emb else 0,
+                "file_bytes": size, "n_values": lay.n_values, "bpv": 8.0 * size / lay.n_values,
+                "nrmse_pooled": math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0,
+                "nrmse_max_tensor": max(v["nrmse"] for v in per.values()), "tensors": per}

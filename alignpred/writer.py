@@ -1,0 +1,213 @@
+"""Compress a cache into the .kvz container: to a file (atomically), to any writable binary
+stream, or to bytes.
+
+>>> import numpy as np
+>>> from alignpred import Cache, KvzReader, fit_bank
+>>> rng = np.random.default_rng(0)
+>>> kv = [(rng.standard_normal((1, 300, 16)).astype(np.float16),) * 2 for _ in range(2)]
+>>> cache = Cache.from_arrays(kv)
+>>> bank = fit_bank([cache], rank=None)
+>>> blob = compress_bytes(cache, eps=0.05, bank=bank)
+>>> out = KvzReader(blob, bank=bank).read()
+>>> x, y = cache.tensors["layers.1.value"].astype(np.float64), out["layers.1.value"].astype(np.float64)
+>>> bool(np.linalg.norm(y - x) / np.linalg.norm(x) <= 0.05), out["layers.1.value"].dtype
+(True, dtype('float16'))
+"""
+from __future__ import annotations
+
+import io as _pyio
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import entropy
+from .banks import find as find_bank
+from .banks import fitting
+from .config import CodecConfig
+from .encoder import SCOPES, TENSOR_CAP, Encoder, TensorMeta
+from .errors import BankMismatchError, KvzError, LayoutError, OutputExistsError
+from .format.container import FOOTER_SIZE, PREAMBLE_SIZE, Footer, IndexEntry, crc32, dump_header, pack_preamble
+from .header import build_header, minor_for
+from .io import atomic_write, release_pages, same_file, spool_file
+
+CODER = "rans4"  # default entropy coder; "constriction" is the reference alternative
+
+
+@dataclass
+class CompressInfo:
+    """What :func:`compress` wrote: sizes, bits per value and achieved errors."""
+
+    path: str | None
+    n_values: int
+    file_bytes: int
+    bank_bytes: int
+    nrmse_pooled: float
+    nrmse_tensor: dict
+    bank_id: str = ""
+    data: bytes | None = None  # the file's bytes, when compressed to memory
+
+    @property
+    def bpv(self) -> float:
+        return 8.0 * self.file_bytes / max(self.n_values, 1)
+
+    @property
+    def nrmse_max_tensor(self) -> float:
+        return max(self.nrmse_tensor.values(), default=0.0)
+
+
+def _as_cache(cache):
+    from .cachefile import Cache
+
+    if isinstance(cache, Cache):
+        return cache
+    if isinstance(cache, (dict, list, tuple)):
+        return Cache.from_arrays(cache)
+    raise LayoutError(f"cannot compress a {type(cache).__name__}: give an alignpred.Cache (Cache.from_arrays, "
+                      "load_cache) or a dict of arrays")
+
+
+def _resolve_bank(bank, layout):
+    if bank is None:
+        es = fitting(layout)
+        hint = (f"; the {es[0].origin} bank {es[0].name!r} fits this cache: pass bank={es[0].name!r}" if es else
+                "; fit one with alignpred.fit_bank on other caches of this model, or pass a self-calibrated bank "
+                "(fit_bank([cache]) with embed_bank=True)")
+        raise BankMismatchError(f"compression needs a calibration bank (bank=...){hint}")
+    return find_bank(bank, layout)
+
+
+def compress(cache, out=None, *, eps: float, bank=None, scope: str = "tensor", config: CodecConfig | None = None,
+             embed_bank: bool = False, coder: str = CODER, tensor_cap: float = TENSOR_CAP,
+             progress=None) -> CompressInfo:
+    """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
+    ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
+    scope also caps every tensor at ``tensor_cap × eps``, 0 = no cap).
+
+    ``out``: a path (written atomically; never the cache's own input file), a writable binary
+    stream (written sequentially), or None (the bytes are returned in ``info.data``).
+    ``bank``: a :class:`~alignpred.Bank`, a path, or a registry id/name (see
+    :mod:`alignpred.banks`); with ``embed_bank`` it is stored in the file and counted in bpv.
+    ``progress(n)`` is called with positions done (several passes may run).
+    """
+    cache = _as_cache(cache)
+    src = cache.path
+    try:
+        if isinstance(out, (str, os.PathLike)) and src and same_file(out, src):
+            raise OutputExistsError(f"{os.fspath(out)} is the input cache; write the .kvz to another path")
+        return _compress(cache, out, eps=eps, bank=bank, scope=scope, config=config, embed_bank=embed_bank,
+                         coder=coder, tensor_cap=tensor_cap, progress=progress)
+    except KvzError as e:
+        if src and src not in str(e):
+            raise type(e)(f"{src}: {e}") from None
+        raise
+
+
+def compress_bytes(cache, **kw) -> bytes:
+    """:func:`compress` to memory; returns the file's bytes."""
+    return compress(cache, None, **kw).data
+
+
+def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor_cap, progress) -> CompressInfo:
+    config = config or CodecConfig()
+    lay = cache.layout
+    if lay.n_tokens == 0:
+        raise LayoutError("the cache has no tokens (empty cache); nothing to compress: capture at least one token")
+    if scope not in SCOPES:
+        raise KvzError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and 0 < eps < 1):
+        raise KvzError(f"eps must be a number in (0, 1), got {eps!r}")
+    bank = _resolve_bank(bank, lay)
+    from .detect import check_rope
+
+    check_rope(lay, bank, cache.tensors)
+    enc = Encoder(lay, bank, config, eps, scope, coder, tensor_cap=tensor_cap)
+    bank_bytes = bank.to_bytes() if embed_bank else b""
+    n_obj = enc.n_obj
+    buf = cache.buf
+    is_path = isinstance(out, (str, os.PathLike))
+    # The encoder emits objects chunk-major (all tensors of positions 0..2047, then the next
+    # 2048, ...); the file holds them tensor-major. They wait in an anonymous spool file next to
+    # the output (nothing is left behind on a crash), not in memory.
+    spool = spool_file(out if is_path else None)
+    try:
+        where = np.zeros((2 * lay.num_layers * n_obj, 2), np.int64)  # spool offset, length
+        obs: list = [None] * len(where)
+        pos = 0
+        try:
+            for ob in enc.encode(cache.tensors, progress, release=lambda view: release_pages(buf)):
+                k = ob.tensor * n_obj + ob.token_start // config.object_size
+                spool.write(ob.payload)
+                where[k] = pos, len(ob.payload)
+                pos += len(ob.payload)
+                ob.payload = b""
+                obs[k] = ob
+            spool.flush()
+        except OSError as e:  # name the output: the spool file has no name of its own
+            raise KvzError(f"cannot write {os.fspath(out) if is_path else 'the output'}: {e.strerror or e} "
+                           "(temporary spool)") from None
+        metas: list[TensorMeta] = enc.metas
+        entries: list[IndexEntry] = []
+        state = {"bytes": 0}
+        source_metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in cache.metadata.items()}
+        cap = enc.tensor_cap
+
+        def read_spool(k):
+            n, off = int(where[k, 1]), int(where[k, 0])
+            if not n:
+                return b""
+            spool.seek(off)
+            payload = spool.read(n)
+            if len(payload) != n:
+                raise KvzError("the temporary spool file was truncated while compressing")
+            return payload
+
+        def chunks():
+            yield pack_preamble(minor=minor_for(lay, config, cap))
+            off = PREAMBLE_SIZE
+            for k, ob in enumerate(obs):
+                payload = read_spool(k)
+                entries.append(IndexEntry(ob.tensor, ob.token_start, ob.n_tokens, ob.flags, off, len(payload),
+                                          ob.delta, ob.sq_err, ob.sq_norm, crc32(payload)))
+                off += len(payload)
+                yield payload
+            bank_info = {"id": bank.id, "model": bank.model, "embedded": None}
+            if embed_bank:
+                bank_info["embedded"] = {"offset": off, "length": len(bank_bytes), "crc32": crc32(bank_bytes)}
+                off += len(bank_bytes)
+                yield bank_bytes
+            header = build_header(layout=lay, config=config, eps=eps, scope=scope, tensor_cap=cap, coder=coder,
+                                  bank_info=bank_info, metas=metas, source_metadata=source_metadata)
+            hb = dump_header(header)
+            ib = b"".join(e.pack() for e in entries)
+            ft = Footer(off, len(hb), off + len(hb), len(ib), crc32(hb), crc32(ib))
+            yield hb
+            yield ib
+            yield ft.pack()
+            state["bytes"] = off + len(hb) + len(ib) + FOOTER_SIZE
+
+        data = None
+        if is_path:
+            atomic_write(out, chunks())
+        elif out is None:
+            sink = _pyio.BytesIO()
+            for c in chunks():
+                sink.write(c)
+            data = sink.getvalue()
+        else:
+            if not hasattr(out, "write"):
+                raise KvzError(f"out must be a path, a writable binary stream or None, not {type(out).__name__}")
+            for c in chunks():
+                out.write(c)
+    finally:
+        try:
+            spool.close()  # unlinked already; a failed flush of its last bytes does not matter
+        except OSError:
+            pass
+    tens = {m.name: math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0 for m in metas}
+    tot_e = sum(m.sq_err for m in metas)
+    tot_n = sum(m.sq_norm for m in metas)
+    return CompressInfo(os.fspath(out) if is_path else None, lay.n_values, state["bytes"], len(bank_bytes),
+                        math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0, tens, bank.id, data)

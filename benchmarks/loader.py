@@ -1,0 +1,163 @@
+"""What a serving loader pays: decoding 256-token chunks into preallocated buffers.
+
+    python -m kvz.benchmarks.loader [CACHES...] [--bank gemma-3-270m] [--eps 0.0267] [--chunk 256]
+                                    [--repeats 5] [--out benchmarks/results/loader.json]
+
+For each cache (default: the bundled samples; ``data/eval`` 2,048-token caches when present) it
+measures, side by side in one run:
+
+* ``whole``: ``KvzReader.read()`` of the whole file (new arrays);
+* ``whole_into``: the whole file decoded into preallocated buffers (``read_into``);
+* ``ranges``: every 256-token range of the same file decoded into preallocated buffers
+  (random access within one file);
+* ``chunk_files``: the cache stored as separate 256-token ``.kvz`` files (each with its
+  ``position_offset``, as a chunk store holds them), each opened from bytes and decoded into the
+  buffers with one shared :class:`~alignpred.DecoderSession`: the per-file overhead a chunk store
+  pays;
+
+values/s (median of ``--repeats``), the per-chunk overhead against whole-file decode, and peak
+memory (tracemalloc: numpy allocations) of decoding one layer of one chunk into the caller's
+buffers, at 1–8 chunks so that a per-token slope (what grows with the chunk) is separated from the
+fixed cost; the slope is compared with the raw size of one layer's K+V per token.
+Threads: one (pinned before numpy loads), so the figures are per core.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+
+def _pin(n: int) -> None:
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[k] = str(n)
+
+
+def _median_time(fn, repeats: int) -> float:
+    import numpy as np
+
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def measure(path: str, bank, eps: float, chunk: int, repeats: int) -> dict:
+    import tracemalloc
+
+    import numpy as np
+
+    from alignpred import Cache, DecoderSession, KvzReader, compress_bytes, load_cache
+
+    c = load_cache(path)
+    lay = c.layout
+    T = lay.n_tokens
+    blob = compress_bytes(c, eps=eps, bank=bank)
+    session = DecoderSession(banks=[bank])
+    r = KvzReader(blob, session=session)
+    names = lay.tensor_names()
+    dt = c.tensors[names[0]].dtype
+    bufs = {n: np.empty((lay.kv_heads, T, lay.head_dim), dt) for n in names}
+    r.read()  # warm up (kernels compiled, plans built)
+    res = {"cache": os.path.basename(path), "tokens": T, "n_values": lay.n_values, "file_bytes": len(blob),
+           "bpv": 8 * len(blob) / lay.n_values}
+    res["whole_s"] = _median_time(r.read, repeats)
+    res["whole_into_s"] = _median_time(lambda: r.read_into(bufs), repeats)
+    starts = list(range(0, T, chunk))
+
+    def ranges():
+        for a in starts:
+            b = min(T, a + chunk)
+            r.read_into({n: bufs[n][:, a:b] for n in names}, tokens=(a, b))
+
+    res["ranges_s"] = _median_time(ranges, repeats)
+    # separate chunk files, as a chunk store holds them
+    files = []
+    for a in starts:
+        b = min(T, a + chunk)
+        t = {n: np.ascontiguousarray(np.asarray(c.tensors[n])[..., a:b, :]) for n in names}
+        meta = dict(c.metadata, position_offset=str(lay.position_offset + a))
+        meta.pop("token_ids", None)
+        files.append((a, b, compress_bytes(Cache.from_arrays(t, meta), eps=eps, bank=bank)))
+
+    def chunk_files():
+        for a, b, data in files:
+            KvzReader(data, session=session).read_into({n: bufs[n][:, a:b] for n in names})
+
+    chunk_files()
+    res["chunk_files_s"] = _median_time(chunk_files, repeats)
+    res["chunk_files_bytes"] = sum(len(f[2]) for f in files)
+    for k in ("whole", "whole_into", "ranges", "chunk_files"):
+        res[f"{k}_mvps"] = lay.n_values / res[f"{k}_s"] / 1e6
+    res["ranges_vs_whole"] = res["whole_s"] / res["ranges_s"]
+    res["chunk_files_vs_whole"] = res["whole_s"] / res["chunk_files_s"]
+    n_chunks = len(starts)
+    res["overhead_per_chunk_ms"] = 1e3 * (res["chunk_files_s"] - res["whole_into_s"]) / n_chunks
+    # peak memory of one layer's chunk (the last layer: every earlier one is decoded on the way)
+    layer = lay.num_layers - 1
+    kname, vname = f"layers.{layer}.key", f"layers.{layer}.value"
+    peaks = []
+    for k in sorted({1, 2, 4, min(8, n_chunks)}):
+        n = min(T, k * chunk)
+        out = {kname: np.empty((lay.kv_heads, n, lay.head_dim), dt), vname: np.empty((lay.kv_heads, n, lay.head_dim), dt)}
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        r.read_into(out, tokens=(0, n), layers=[layer])
+        peak = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
+        peaks.append((n, peak))
+    ns = np.array([p[0] for p in peaks], float)
+    pk = np.array([p[1] for p in peaks], float)
+    slope, fixed = np.polyfit(ns, pk, 1) if len(ns) > 1 else (pk[0] / ns[0], 0.0)
+    raw_per_token = 2 * lay.kv_heads * lay.head_dim * dt.itemsize  # one layer's K + V
+    res["memory"] = {"layer": layer, "points": [{"tokens": int(n), "peak_bytes": int(p)} for n, p in peaks],
+                     "slope_bytes_per_token": float(slope), "fixed_bytes": float(fixed),
+                     "raw_layer_bytes_per_token": raw_per_token, "slope_over_raw": float(slope / raw_per_token),
+                     "chunk_peak_over_raw": float(peaks[0][1] / (raw_per_token * peaks[0][0]))}
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("caches", nargs="*")
+    ap.add_argument("--bank", default="gemma-3-270m")
+    ap.add_argument("--eps", type=float, default=0.0267)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loader.json"))
+    a = ap.parse_args(argv)
+    _pin(a.threads)
+    from alignpred.banks import find as find_bank
+    from alignpred.io import atomic_write
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    caches = a.caches or sorted(glob.glob(os.path.join(root, "data", "eval", "*.safetensors"))) \
+        or sorted(glob.glob(os.path.join(root, "samples", "gemma3-270m", "*.safetensors")))
+    bank = find_bank(a.bank)
+    rows = []
+    print(f"{'cache':<28} {'tokens':>6} {'whole':>7} {'into':>7} {'ranges':>7} {'chunks':>7}  Mvalues/s; "
+          f"{'rng/whole':>9} {'chk/whole':>9} {'ms/chunk':>8} {'mem slope/raw':>13}")
+    for p in caches:
+        row = measure(p, bank, a.eps, a.chunk, a.repeats)
+        rows.append(row)
+        m = row["memory"]
+        print(f"{row['cache']:<28} {row['tokens']:>6} {row['whole_mvps']:7.1f} {row['whole_into_mvps']:7.1f} "
+              f"{row['ranges_mvps']:7.1f} {row['chunk_files_mvps']:7.1f}  {'':10} {row['ranges_vs_whole']:9.2f} "
+              f"{row['chunk_files_vs_whole']:9.2f} {row['overhead_per_chunk_ms']:8.2f} {m['slope_over_raw']:13.2f}",
+              flush=True)
+    res = {"command": "python -m kvz.benchmarks.loader " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "eps": a.eps, "chunk": a.chunk, "threads": a.threads, "bank_id": bank.id, "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    atomic_write(a.out, [json.dumps(res, indent=2).encode()])
+    print(f"wrote {a.out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
