@@ -1,0 +1,18 @@
+"""Errors and warnings of the chunk store."""
+from alignpred.errors import KvzError
+
+
+class StoreError(KvzError):
+    """A bad argument or a misuse of a chunk store (a ValueError, under kvz's root KvzError)."""
+
+
+class CorruptEntryError(StoreError):
+    """A stored record failed verification. Internal: backends drop the entry and report a miss."""
+
+
+class StoreWarning(RuntimeWarning):
+    """A store operation failed and was answered as a miss / refusal instead of raising."""
+
+
+class StoreUnavailableWarning(StoreWarning):
+    """The store's server cannot be reached; calls return misses until it is back (warned once per outage)."""
