@@ -118,8 +118,9 @@ class Encoder(Chain):
         return norms
 
     # -- coding one head of one chunk ------------------------------------------------------------
-    def _code_head(self, plan, m, z, local, delta_rows, zero_rows, blk):
-        base = plan.predict(m, local, z.shape[0])
+    def _code_head(self, plan, m, z, local, delta_rows, zero_rows, blk, base=None):
+        if base is None:
+            base = plan.predict(m, local, z.shape[0])
         q, wh = quantize_residual(z - base, delta_rows, (m & INTERP) != 0, self.config.object_size)
         rec = base + wh
         if zero_rows.any():
@@ -167,8 +168,11 @@ class Encoder(Chain):
                 zs_cache[ti] = (np.concatenate(x, axis=1), z)
             return zs_cache[ti]
 
+        preds: dict = {}  # block -> base prediction from the current sources (reused across step tries)
+
         def code(ti, delta_obj, local, modes):
-            """Code tensor ``ti``'s sample; returns (modes, per-object error, recs, hist, q)."""
+            """Code tensor ``ti``'s sample; returns (modes, per-object error, recs, hist, q).
+            Predictions are kept in ``preds`` while ``local`` (the sources) is unchanged."""
             layer, kind = self.tensors[ti]
             x, z = sample(ti)
             dr, zr = zip(*(self.delta_rows(delta_obj[k:k + 1], zero[ti, j:j + 1], j * S) for k, j in enumerate(objs)))
@@ -181,8 +185,14 @@ class Encoder(Chain):
             for h in range(H):
                 blk = Block(layer, kind, h)
                 plan = self.plans[blk.name]
-                m = self._choose(plan, z[h], loc, delta_rows) if modes is None else modes[h]
-                q, loc[blk.name] = self._code_head(plan, m, z[h], loc, delta_rows, zero_rows, blk)
+                m, bases = self._choose(plan, z[h], loc, delta_rows) if modes is None else (modes[h], None)
+                pred = preds.get(blk.name)
+                if pred is None:
+                    pred = plan.predict(m, loc, z[h].shape[0], bases)
+                    # Kept for the next tries unless a source is another head of this tensor.
+                    if not any(s.startswith(f"{kind}.{layer}.") for s in plan.sources):
+                        preds[blk.name] = pred
+                q, loc[blk.name] = self._code_head(plan, m, z[h], loc, delta_rows, zero_rows, blk, pred)
                 q_all[:, h * d:(h + 1) * d] = q
                 e = np.concatenate([self._row_errors(loc[blk.name][k * S:k * S + int(self.obj_rows[j])], x[h][k * S:],
                                                      blk, j * S) for k, j in enumerate(objs)])
@@ -199,6 +209,7 @@ class Encoder(Chain):
         delta = np.zeros((n_t, self.n_obj), np.float32)
         if self.scope == "pooled":
             def evaluate(dt):  # one step per tensor -> (errors per tensor, histograms)
+                preds.clear()  # earlier tensors' reconstructions change with the steps
                 local: dict = {}
                 errs, hs = np.zeros(n_t), []
                 for ti in range(n_t):
@@ -226,6 +237,8 @@ class Encoder(Chain):
             d0 = np.maximum(d0, 1e-30)
             expand = (lambda dl: dl) if self.scope == "object" else (lambda dl: np.full(len(objs), dl[0]))
 
+            preds.clear()  # the sources of tensor ti are fixed during its search
+
             def evaluate(dl):
                 m, err, recs, h, q = code(ti, expand(dl.astype(np.float32)).astype(np.float32), local, modes[ti])
                 modes[ti] = m
@@ -251,52 +264,68 @@ class Encoder(Chain):
                 self._early["objects"].extend(self._objects(ti, q, 0, self.n_obj, 0, delta, zero, err, models))
         return modes, delta, hists
 
-    def _pooled_search(self, evaluate, d0, norm_t, aim: float = 1.0, widen: int = 0):
-        """Pooled scope: one step ``g`` for every tensor, except that a tensor whose NRMSE would
-        pass ``tensor_cap × eps`` gets the largest step of its own that keeps it under the cap
-        (found with ``g`` fixed), then ``g`` is searched again, at most three rounds, with a final
-        shrink so both the pooled budget and every cap hold. ``evaluate(steps per tensor)``
-        returns ``(errors per tensor, result)``; returns ``(steps, result)``."""
-        target = np.array([self.eps ** 2 * norm_t.sum()])
+    def _pooled_search(self, evaluate, d0, norm_t, aim: float = 0.997, widen: int = 0):
+        """Pooled scope: the largest steps with the whole cache's error within ``eps`` and, with
+        a cap, every tensor's NRMSE within ``tensor_cap × eps``. Steps are one global ``g``, except
+        that a tensor that would pass its cap gets the step that holds it at the cap.
+
+        Model-based: each tensor's error is close to ``c_t · step_t²``; after every pass ``c_t``
+        is re-measured, the cap steps follow, and ``g`` solves ``Σ c_t min(g, cap_t)² = aim ·
+        target`` (bisection); it stops when both constraints hold and the pooled error is within
+        the band below its target (0.6 %, doubling per pass from the ``widen``-th pass on).
+        ``evaluate(steps per tensor)`` returns ``(errors per tensor, result)``; returns
+        ``(steps, result)``."""
+        from .ratesearch import BAND
+
+        target = self.eps ** 2 * float(norm_t.sum())
         cap_t = (self.tensor_cap * self.eps) ** 2 * norm_t if self.tensor_cap else np.full(len(norm_t), np.inf)
-        g = np.array([float(np.max(d0))])
-        cap_step = np.where(d0 < g[0], d0, np.inf) if self.tensor_cap else np.full(len(norm_t), np.inf)
+        d = np.asarray(d0, np.float64).copy()
+        best = None
+        for it in range(16):
+            e, res = evaluate(d.astype(np.float32))
+            tot = float(e.sum())
+            caps_ok = bool(np.all(e <= cap_t))
+            band = BAND * (2.0 ** max(0, it + 1 - widen) if widen else 1.0)
+            if tot <= target and caps_ok:
+                if best is None or tot > best[0]:
+                    best = (tot, d.copy(), res)
+                if tot >= target * (1.0 - band):
+                    return d, res
+            c = np.where(e > 0, e / np.maximum(d, 1e-300) ** 2, 0.0)
+            cap_step = np.where(c > 0, np.sqrt(aim * cap_t / np.maximum(c, 1e-300)), np.inf)
+            g_lo, g_hi = 0.0, float(np.max(np.where(np.isfinite(cap_step), cap_step, d))) * 4.0 + 1e-30
 
-        def steps(g):
-            return np.minimum(g, cap_step)
+            def pooled(g):
+                return float(np.sum(c * np.minimum(g, cap_step) ** 2))
 
-        def pooled(gv):
-            e, res = evaluate(steps(gv[0]))
-            return np.array([e.sum()]), (e, res)
-
-        for _ in range(3):
-            g, (e, res) = bracket_search(pooled, g, target, "", aim=aim, widen=widen)
-            over = e > cap_t
-            if not over.any():
-                return steps(g[0]), res
-            idx = np.nonzero(over)[0]
-
-            def capped(dc):
-                cs = cap_step.copy()
-                cs[idx] = dc
-                e2, r2 = evaluate(np.minimum(g[0], cs))
-                return e2[idx], (e2, r2)
-
-            start = np.minimum(g[0], cap_step[idx]) * np.sqrt(cap_t[idx] / np.maximum(e[idx], 1e-300))
-            dc, _ = bracket_search(capped, start, cap_t[idx], "", aim=aim, widen=widen)
-            cap_step[idx] = dc
-        # Last check: both constraints, shrinking what fails.
-        for _ in range(40):
-            e, res = evaluate(steps(g[0]))
-            if e.sum() <= target[0] and np.all(e <= cap_t):
-                return steps(g[0]), res
-            if e.sum() > target[0]:
-                g = g * 0.995
-            over = e > cap_t
-            cap_step[over] = np.minimum(g[0], cap_step[over]) * 0.995
+            while pooled(g_hi) < aim * target and g_hi < 1e30 and np.any(~np.isfinite(cap_step) & (c > 0)):
+                g_hi *= 4.0
+            for _ in range(60):
+                g = 0.5 * (g_lo + g_hi)
+                if pooled(g) <= aim * target:
+                    g_lo = g
+                else:
+                    g_hi = g
+            new = np.minimum(g_lo, cap_step)
+            new = np.where(np.isfinite(new) & (new > 0), new, d)
+            if not (tot <= target and caps_ok):  # infeasible: never move a failing unit up
+                new = np.where(e > np.minimum(cap_t, target), np.minimum(new, d * 0.999), new)
+            d = new
+        if best is not None:
+            return best[1], best[2]
+        for _ in range(200):  # the model did not converge: shrink what fails until both hold
+            e, res = evaluate(d.astype(np.float32))
+            if e.sum() <= target and np.all(e <= cap_t):
+                return d, res
+            d = d * (0.99 if e.sum() > target else 1.0)
+            d = np.where(e > cap_t, d * 0.99, d)
+            if np.all(d < 1e-30):
+                break
         raise EncodeError("cannot meet the pooled error budget and the tensor cap together")
 
-    def _choose(self, plan, z, local, delta_rows) -> np.ndarray:
+    def _choose(self, plan, z, local, delta_rows):
+        """Modes ``[d]`` with the smallest estimated cost at the initial step, and the base
+        predictions computed for the choice (by predictor id)."""
         cfg = self.config
         cands = plan.modes()
         bases = {bb: plan.base(bb, local) for bb in {m & BASE_MASK for m in cands} if bb != ZERO}
@@ -309,8 +338,8 @@ class Encoder(Chain):
                 bits[k, cs] = channel_entropy_bits(q)
         cands = np.array(cands, np.uint8)
         if cfg.channel_choice:
-            return cands[np.argmin(bits, axis=0)]
-        return np.full(z.shape[1], cands[int(np.argmin(bits.sum(axis=1)))], np.uint8)
+            return cands[np.argmin(bits, axis=0)], bases
+        return np.full(z.shape[1], cands[int(np.argmin(bits.sum(axis=1)))], np.uint8), bases
 
     # -- one pass over the cache -----------------------------------------------------------------
     def _pass(self, tensors, delta, zero, modes, models=None, progress=None):

@@ -42,18 +42,23 @@ class BlockPlan:
         """Base prediction ``[n, d]`` of ``mode``'s predictor (None for ``ZERO``)."""
         return REGISTRY[mode & BASE_MASK].base(self, recon)
 
-    def predict(self, modes: np.ndarray, recon: dict, n: int) -> np.ndarray:
-        """Base prediction ``[n, d]`` with each channel's own mode (float32)."""
-        bases = modes & BASE_MASK
-        kinds = np.unique(bases).tolist()
+    def predict(self, modes: np.ndarray, recon: dict, n: int, bases: dict | None = None) -> np.ndarray:
+        """Base prediction ``[n, d]`` with each channel's own mode (float32). ``bases`` may hold
+        base predictions already computed from the same ``recon`` (by predictor id)."""
+        ids = modes & BASE_MASK
+        kinds = np.unique(ids).tolist()
         if kinds == [ZERO]:
             return np.zeros((n, self.mean.shape[0]), np.float32)
+
+        def base(bb):
+            return bases[bb] if bases is not None and bb in bases else self.base(bb, recon)
+
         if len(kinds) == 1:
-            return np.asarray(self.base(kinds[0], recon), np.float32)
+            return np.asarray(base(kinds[0]), np.float32)
         out = np.zeros((n, self.mean.shape[0]), np.float32)
         for bb in kinds:
             if bb != ZERO:
-                out = np.where(bases == bb, self.base(bb, recon), out)
+                out = np.where(ids == bb, base(bb), out)
         return out.astype(np.float32, copy=False)
 
 

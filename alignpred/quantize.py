@@ -67,28 +67,14 @@ def dequantize_residual(q: np.ndarray, delta_rows: np.ndarray, interp: np.ndarra
     return wh.astype(np.float32)
 
 
-def channel_entropy_bits(q: np.ndarray, block: int = 16) -> np.ndarray:
-    """Empirical zeroth-order entropy, in bits, of each column of ``q [n, d]`` (float64 ``[d]``).
-    The cost proxy used to choose a predictor per channel; computed ``block`` columns at a time
-    so its temporaries stay small for long caches.
+def channel_entropy_bits(q: np.ndarray) -> np.ndarray:
+    """Empirical zeroth-order entropy, in bits, of each column of ``q [n, d]`` (float64 ``[d]``):
+    the cost proxy the encoder uses to choose a predictor per channel
+    (:func:`alignpred.kernels.column_entropy_bits`, by histogram).
 
     >>> channel_entropy_bits(np.array([[0, 1], [0, 2], [0, 1], [0, 2]])).tolist()
     [0.0, 4.0]
     """
-    n, d = q.shape
-    per = np.zeros(d)
-    if n == 0:
-        return per
-    for c0 in range(0, d, block):
-        s = np.sort(q[:, c0:c0 + block], axis=0).T  # [b, n]
-        start = np.ones(s.shape, dtype=bool)
-        start[:, 1:] = s[:, 1:] != s[:, :-1]
-        col, pos = np.nonzero(start)
-        nxt = np.empty_like(pos)
-        nxt[:-1] = pos[1:]
-        last = np.ones(len(pos), dtype=bool)
-        last[:-1] = col[1:] != col[:-1]
-        nxt[last] = n
-        run = (nxt - pos).astype(np.float64)
-        np.add.at(per, col + c0, run * np.log2(run))
-    return n * np.log2(n) - per
+    from .kernels import column_entropy_bits
+
+    return column_entropy_bits(q)
