@@ -10,7 +10,8 @@ from .errors import EncodeError
 from .frame import Frame
 from .plan import build_plans
 
-OBJ_ZERO = 1  # object flag: every value is zero, no payload
+OBJ_ZERO = 1  # object flag: every value (or, for a refinement object, every symbol) is zero, no payload
+OBJ_REFINE = 2  # object flag: a refinement-tier object (see alignpred.refine)
 
 
 def obj_sums(v: np.ndarray, size: int) -> np.ndarray:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import entropy
+from . import entropy, refine
 from .chain import OBJ_ZERO, Chain
 from .errors import FormatError
 from .kernels import dequant_add
@@ -35,36 +35,36 @@ class Decoder(Chain):
                 if not set(np.unique(meta.modes[h]).tolist()) <= allowed:
                     raise FormatError(f"{meta.name}: predictor modes not available with this bank/config")
 
-    def _symbols(self, meta, fetch, ti: int, j0: int, j1: int, n_rows: int):
-        """Symbols (channel-major ``[H*d, n_rows]``), per-row steps and zero-row mask of objects
-        ``j0..j1-1`` of tensor ``ti``."""
+    def _symbols(self, models, fetch, ti: int, j0: int, j1: int, n_rows: int, what: str):
+        """Symbols (channel-major ``[H*d, n_rows]``, as the entropy coder emits them), steps and
+        zero flags per object, of objects ``j0..j1-1`` of tensor ``ti``."""
         lay = self.layout
         S = self.config.object_size
         start = j0 * S
-        q = np.zeros((lay.kv_heads * lay.head_dim, n_rows), np.int32)  # as the entropy coder emits it
+        q = np.zeros((lay.kv_heads * lay.head_dim, n_rows), np.int32)
         deltas = np.empty(j1 - j0, np.float32)
         zero = np.zeros(j1 - j0, bool)
         for j in range(j0, j1):
             entry, payload = fetch(ti, j)
             a = j * S - start
             if entry.n_tokens != min(S, lay.n_tokens - j * S):
-                raise FormatError(f"{meta.name}: object {j} has the wrong length")
+                raise FormatError(f"{what}: object {j} has the wrong length")
             deltas[j - j0] = entry.delta
             if entry.flags & OBJ_ZERO:
                 zero[j - j0] = True
             else:
-                q[:, a:a + entry.n_tokens] = entropy.decode(payload, meta.models, (q.shape[0], entry.n_tokens),
-                                                            self.coder)
-        delta_rows, zero_rows = self.delta_rows(deltas, zero, start, n_rows)
-        return q, delta_rows, zero_rows
+                q[:, a:a + entry.n_tokens] = entropy.decode(payload, models, (q.shape[0], entry.n_tokens), self.coder)
+        return q, deltas, zero
 
-    def decode_range(self, metas: list, fetch, j0: int, j1: int, layers=None, out=None):
+    def decode_range(self, metas: list, fetch, j0: int, j1: int, layers=None, out=None, refine_fetch=None):
         """Decode objects ``j0..j1-1`` of every tensor up to the last layer in ``layers`` (an
         iterable of layer indices; default all); yield ``(ti, name, array [kv_heads, rows, d])``
         for the tensors of ``layers``. ``fetch(tensor_index, object_index)`` returns ``(entry,
         payload)`` with ``entry`` having ``n_tokens``, ``flags`` and ``delta``. ``out(ti)``
         (optional) returns the array ``[kv_heads, rows, d]`` (a view into the caller's buffer, of
-        the layout's dtype) to write tensor ``ti`` into; otherwise arrays are allocated."""
+        the layout's dtype) to write tensor ``ti`` into; otherwise arrays are allocated. With
+        ``refine_fetch`` (same contract, refinement objects) the exact tier is decoded: the coarse
+        values refined to the original bits."""
         lay = self.layout
         S = self.config.object_size
         H, d = lay.kv_heads, lay.head_dim
@@ -77,8 +77,10 @@ class Decoder(Chain):
             if layer > last:
                 break
             meta = metas[ti]
-            q, delta_rows, zr = self._symbols(meta, fetch, ti, j0, j1, n_rows)
+            q, deltas, zero = self._symbols(meta.models, fetch, ti, j0, j1, n_rows, meta.name)
+            delta_rows, zr = self.delta_rows(deltas, zero, start, n_rows)
             emit = layer in wanted
+
             dst = None
             if emit:
                 dst = out(ti) if out is not None else np.empty((H, n_rows, d), self.frame.out_dtype)
@@ -104,4 +106,26 @@ class Decoder(Chain):
                     dst[h] = x
                 self.prune(recon, blk.name)
             if emit:
+                if refine_fetch is not None:
+                    self._refine(dst, meta, refine_fetch, ti, j0, j1)
                 yield ti, meta.name, dst
+
+    def _refine(self, dst, meta, fetch, ti: int, j0: int, j1: int) -> None:
+        """Refine the coarse values of tensor ``ti`` in ``dst [H, rows, d]`` to the exact bits:
+        each object's symbols are coded channel-major with a model per context (the exponent of
+        the coarse value, known here before the symbol)."""
+        lay = self.layout
+        S = self.config.object_size
+        H, d = lay.kv_heads, lay.head_dim
+        for j in range(j0, j1):
+            entry, payload = fetch(ti, j)
+            n = min(S, lay.n_tokens - j * S)
+            if entry.n_tokens != n:
+                raise FormatError(f"{meta.name}: refinement object {j} has the wrong length")
+            if entry.flags & OBJ_ZERO:
+                continue
+            rows = slice(j * S - j0 * S, j * S - j0 * S + n)
+            coarse = np.ascontiguousarray(dst[:, rows])  # [H, n, d]
+            ctx = refine.contexts(coarse.transpose(0, 2, 1))
+            r = entropy.decode_ctx(payload, meta.refine_models[ctx.reshape(-1)])
+            dst[:, rows] = refine.apply(coarse, r.reshape(H, d, n).transpose(0, 2, 1))

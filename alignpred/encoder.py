@@ -47,6 +47,7 @@ class TensorMeta:
     sq_err: float = 0.0
     sq_norm: float = 0.0
     objects: list = field(default_factory=list, repr=False)
+    refine_models: np.ndarray | None = None  # uint8 [kv_heads * head_dim]: refinement tier's models
 
 
 class Encoder(Chain):

@@ -316,3 +316,53 @@ def _decode_constriction(raw: np.ndarray, ids: np.ndarray, C: int, N: int) -> np
     if err != rans.ERR_OK:
         raise FormatError(f"constriction raw bits invalid: {rans.ERROR_TEXT[err]}")
     return out.reshape(C, N)
+
+
+# --- per-symbol models (the refinement tier) ------------------------------------------------
+
+def encode_ctx(q: np.ndarray, ids: np.ndarray) -> bytes:
+    """Encode ``q`` (int32, any shape, coded flat) with one model per symbol (``ids``, same size):
+    the ``rans4`` bitstream with per-symbol instead of per-channel models (:mod:`alignpred.rans_ctx`).
+
+    >>> q = np.array([3, -1, 0, 70000], np.int32)
+    >>> ids = np.array([5, 5, 0, 230])
+    >>> decode_ctx(encode_ctx(q, ids), ids).tolist()
+    [3, -1, 0, 70000]
+    """
+    from alignpred import rans_ctx
+
+    q = np.ascontiguousarray(np.asarray(q, np.int32).reshape(-1))
+    ids = _as_ids(np.asarray(ids).reshape(-1), q.size, EncodeError)
+    if q.size == 0:
+        return b""
+    if q.size >= _MAX_SYMBOLS:
+        raise EncodeError("object too large")
+    return rans_ctx.encode_kernel(q, ids, _load_tables().packed).astype("<u4", copy=False).tobytes()
+
+
+def decode_ctx(buf, ids: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`encode_ctx`: int32 ``[len(ids)]``; FormatError on any inconsistency."""
+    from alignpred import rans_ctx
+
+    ids = np.asarray(ids).reshape(-1)
+    n = ids.size
+    ids = _as_ids(ids, n, FormatError)
+    try:
+        raw = _payload_words(buf)
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"payload is not a byte buffer: {e}") from None
+    if n > _MAX_SYMBOLS_PER_BYTE * (raw.size + 32) or n >= _MAX_SYMBOLS:
+        raise FormatError(f"payload of {raw.size} bytes is too short for {n} symbols")
+    if n == 0:
+        if raw.size:
+            raise FormatError("non-empty payload for an empty object")
+        return np.zeros(0, np.int32)
+    if raw.size % 4 or raw.size < rans.STATE_BYTES:
+        raise FormatError(f"rans4 payload length {raw.size} is invalid")
+    t = _load_tables()
+    words = raw.view("<u4").astype(np.uint32, copy=False)
+    out = np.empty(n, np.int32)
+    err = rans_ctx.decode_kernel(words, ids, t.coarse, t.cumhi, t.packed, t.base, t.nbits, out)
+    if err != rans.ERR_OK:
+        raise FormatError(f"rans4 payload invalid: {rans.ERROR_TEXT[err]}")
+    return out

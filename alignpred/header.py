@@ -42,30 +42,44 @@ def unb64(s, n: int, what: str) -> np.ndarray:
     return np.frombuffer(b, np.uint8)
 
 
-def minor_for(layout, config, tensor_cap: float = 0.0) -> int:
+TIERS = ("coarse", "exact")
+
+
+def minor_for(layout, config, tensor_cap: float = 0.0, tiers=("coarse",)) -> int:
     """The oldest minor version that can express a file: 1.1 for exact arithmetic, an absolute
-    sink, an exact RoPE spec or a tensor cap; 1.0 otherwise (what kvz 0.1 wrote)."""
-    new = config.arith != "float" or config.sink_origin != "file" or layout.rope is not None or bool(tensor_cap)
+    sink, an exact RoPE spec, a tensor cap or a refinement tier; 1.0 otherwise (kvz 0.1)."""
+    new = (config.arith != "float" or config.sink_origin != "file" or layout.rope is not None or bool(tensor_cap)
+           or list(tiers) != ["coarse"])
     return 1 if new else 0
 
 
-def build_header(*, layout, config, eps, scope, tensor_cap, coder, bank_info, metas, source_metadata) -> dict:
+def build_header(*, layout, config, eps, scope, tensor_cap, coder, bank_info, metas, source_metadata,
+                 tiers=("coarse",)) -> dict:
     """The header dict of a file (the writer adds nothing else)."""
     codec = {"name": "alignpred", "config": config.to_json(), "eps": eps, "eps_scope": scope,
              "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": entropy.PREC}}
     if tensor_cap:
         codec["tensor_cap"] = tensor_cap
+    if list(tiers) != ["coarse"]:
+        codec["tiers"] = list(tiers)
+
+    def tensor(m):
+        t = {"name": m.name, "modes": b64(m.modes), "models": b64(m.models), "sq_err": m.sq_err, "sq_norm": m.sq_norm}
+        if m.refine_models is not None:
+            t["refine_models"] = b64(m.refine_models)
+        return t
+
     return {
-        "format": "kvz", "version": [MAJOR, minor_for(layout, config, tensor_cap)], "flags": 0, "created_by": f"kvz {__version__}",
-        "layout": layout.to_json(), "codec": codec, "bank": bank_info,
-        "tensors": [{"name": m.name, "modes": b64(m.modes), "models": b64(m.models), "sq_err": m.sq_err,
-                     "sq_norm": m.sq_norm} for m in metas],
+        "format": "kvz", "version": [MAJOR, minor_for(layout, config, tensor_cap, tiers)], "flags": 0,
+        "created_by": f"kvz {__version__}", "layout": layout.to_json(), "codec": codec, "bank": bank_info,
+        "tensors": [tensor(m) for m in metas],
         "source_metadata": {k: v for k, v in source_metadata.items() if k != "token_ids"},
     }
 
 
 def tensor_metas(h: dict, layout) -> list:
-    """The per-tensor modes/models of a validated header."""
+    """The per-tensor modes/models (and refinement models) of a validated header."""
+    refined = "exact" in h["codec"].get("tiers", ["coarse"])
     C = layout.kv_heads * layout.head_dim
     tensors = h["tensors"]
     if not isinstance(tensors, list) or len(tensors) != 2 * layout.num_layers:
@@ -76,7 +90,13 @@ def tensor_metas(h: dict, layout) -> list:
             raise FormatError(f"header tensor {ti} should be {name}")
         modes = unb64(t.get("modes"), C, f"{name}.modes").reshape(layout.kv_heads, layout.head_dim)
         models = unb64(t.get("models"), C, f"{name}.models")
-        metas.append(TensorMeta(name, modes, models, float(t.get("sq_err", 0.0)), float(t.get("sq_norm", 0.0))))
+        m = TensorMeta(name, modes, models, float(t.get("sq_err", 0.0)), float(t.get("sq_norm", 0.0)))
+        if refined:
+            from .layout import numpy_dtype
+            from .refine import n_contexts
+
+            m.refine_models = unb64(t.get("refine_models"), n_contexts(numpy_dtype(layout.dtype)), f"{name}.refine_models")
+        metas.append(m)
     return metas
 
 
@@ -147,6 +167,11 @@ def check_header(h: dict) -> None:
         raise FormatError("codec.config.sink_tokens/sink_scale out of range")
     if cfg.get("sink_origin", "file") not in SINK_ORIGINS or cfg.get("arith", "float") not in ARITHS:
         raise FormatError("codec.config.sink_origin/arith unknown")
+    tiers = codec.get("tiers", ["coarse"])
+    if tiers not in (["coarse"], ["coarse", "exact"]):
+        raise FormatError(f"unknown tiers {tiers!r}")
+    if tiers == ["coarse", "exact"] and cfg.get("arith") != "exact":
+        raise FormatError("a refinement tier needs exact arithmetic")
     cap = codec.get("tensor_cap", 0.0)
     if not (type(cap) in (int, float) and (cap == 0 or 1 <= cap < 1e6)):
         raise FormatError("codec.tensor_cap must be 0 or a number >= 1")
@@ -160,7 +185,8 @@ def check_header(h: dict) -> None:
     if not isinstance(h["tensors"], list):
         raise FormatError("header field tensors must be a list")
     for t in h["tensors"]:
-        _typed(t, {"name": "str", "modes": "str", "models": "str"}, "tensors[]", ("name", "modes", "models"))
+        _typed(t, {"name": "str", "modes": "str", "models": "str", "refine_models": "str"}, "tensors[]",
+               ("name", "modes", "models") + (("refine_models",) if tiers != ["coarse"] else ()))
         if not (_nonneg(t.get("sq_err", 0.0)) and _nonneg(t.get("sq_norm", 0.0))):
             raise FormatError(f"header tensor {t['name']!r} has invalid error statistics")
     if not isinstance(h.get("source_metadata", {}), dict):

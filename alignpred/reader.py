@@ -29,7 +29,7 @@ from .arrays import as_numpy
 from .bank import Bank
 from .banks import find as find_bank
 from .banks import lookup, missing_bank_error
-from .chain import OBJ_ZERO
+from .chain import OBJ_REFINE, OBJ_ZERO
 from .config import CodecConfig
 from .decoder import Decoder
 from .errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError
@@ -138,6 +138,7 @@ class KvzReader:
             self.eps = float(codec["eps"])
             self.scope = str(codec["eps_scope"])
             self.tensor_cap = float(codec.get("tensor_cap", 0.0))
+            self.tiers = tuple(codec.get("tiers", ["coarse"]))
             ent = codec["entropy"]
             self.bank_id = str(h["bank"]["id"])
         except (KeyError, TypeError, ValueError, LayoutError, KvzError) as e:
@@ -148,23 +149,30 @@ class KvzReader:
             raise FormatError(f"unsupported entropy coder {ent!r}")
         from .header import minor_for
 
-        if self.version[1] < minor_for(self.layout, self.config, self.tensor_cap):
+        if self.version[1] < minor_for(self.layout, self.config, self.tensor_cap, self.tiers):
             raise FormatError(f"the header uses features of a newer minor version than the file's {self.version}")
         lay = self.layout
         S = self.config.object_size
         self.metas = tensor_metas(h, lay)
         n_obj = -(-lay.n_tokens // S)
-        if len(self.index) != n_obj * len(self.metas):
-            raise FormatError(f"index holds {len(self.index)} objects, layout needs {n_obj * len(self.metas)}")
+        n_coarse = n_obj * len(self.metas)
+        if len(self.index) != n_coarse * len(self.tiers):
+            raise FormatError(f"index holds {len(self.index)} objects, layout and tiers need "
+                              f"{n_coarse * len(self.tiers)}")
         prev_end = PREAMBLE_SIZE
         for k, e in enumerate(self.index):
-            ti, j = divmod(k, n_obj)
+            tier, kk = divmod(k, n_coarse)
+            ti, j = divmod(kk, n_obj)
             want_n = min(S, lay.n_tokens - j * S)
             if e.tensor != ti or e.token_start != j * S or e.n_tokens != want_n:
                 raise FormatError(f"index entry {k} does not follow the layout order")
-            if e.flags & ~OBJ_ZERO or bool(e.flags & OBJ_ZERO) != (e.length == 0):
+            want_flag = OBJ_REFINE if tier else 0
+            if (e.flags & ~OBJ_ZERO) != want_flag or bool(e.flags & OBJ_ZERO) != (e.length == 0):
                 raise FormatError(f"index entry {k} has invalid flags")
-            if not _f32(e.delta) or (not (e.flags & OBJ_ZERO) and not e.delta > 0):
+            if tier:
+                if e.delta != 0.0 or e.sq_err != 0.0:
+                    raise FormatError(f"refinement entry {k} has a step or an error")
+            elif not _f32(e.delta) or (not (e.flags & OBJ_ZERO) and not e.delta > 0):
                 raise FormatError(f"index entry {k} has an invalid quantisation step")
             if not (_nonneg(e.sq_err) and _nonneg(e.sq_norm)):
                 raise FormatError(f"index entry {k} has invalid error statistics")
@@ -218,14 +226,26 @@ class KvzReader:
         return self._decoder
 
     # -- reading ---------------------------------------------------------------------------------
-    def _fetch(self, ti: int, j: int):
-        e = self.index[ti * self.n_objects_per_tensor + j]
+    def _fetch(self, ti: int, j: int, tier: int = 0):
+        n_obj = self.n_objects_per_tensor
+        e = self.index[(tier * len(self.metas) + ti) * n_obj + j]
         payload = self._buf[e.offset:e.offset + e.length]
         if crc32(payload) != e.crc:
             raise ChecksumError(f"{self.path}: checksum mismatch in {self.metas[ti].name} tokens "
-                                f"{e.token_start}..{e.token_start + e.n_tokens}")
+                                f"{e.token_start}..{e.token_start + e.n_tokens}{' (refinement)' if tier else ''}")
         self.objects_decoded += 1
         return e, payload
+
+    def _refine_fetch(self, ti: int, j: int):
+        return self._fetch(ti, j, 1)
+
+    def _tier(self, tier) -> bool:
+        """Whether to decode the refinement tier for ``tier`` (None: the best the file has)."""
+        if tier is None:
+            return "exact" in self.tiers
+        if tier not in self.tiers:
+            raise KvzError(f"{self.path} has tiers {', '.join(self.tiers)}, not {tier!r}")
+        return tier == "exact"
 
     def verify(self, entries=None, bank: bool | None = None) -> int:
         """Check payload checksums without decoding (all index entries, or the given entry
@@ -285,13 +305,14 @@ class KvzReader:
             raise KvzError(f"output buffer for {name} has dtype {arr.dtype}; give a floating-point buffer")
         return arr
 
-    def _decode(self, a: int, b: int, sel: list, out=None):
+    def _decode(self, a: int, b: int, sel: list, out=None, tier=None):
         """Yield ``(ti, name, array [kv_heads, b-a, d])`` for the tensors of layers ``sel``."""
         S = self.config.object_size
         j0, j1 = a // S, -(-b // S)
         cut = slice(a - j0 * S, b - j0 * S)
         full = cut.start == 0 and cut.stop == min(self.layout.n_tokens, j1 * S) - j0 * S
         dec = self.decoder
+        rf = self._refine_fetch if self._tier(tier) else None
         try:
             if out is not None and full:  # decode straight into the caller's buffer
                 views = {}
@@ -301,10 +322,10 @@ class KvzReader:
                     views[ti] = self._out_view(out, ti, name, b - a)
                     return views[ti]
 
-                for ti, name, arr in dec.decode_range(self.metas, self._fetch, j0, j1, sel, out=target):
+                for ti, name, arr in dec.decode_range(self.metas, self._fetch, j0, j1, sel, out=target, refine_fetch=rf):
                     yield ti, name, arr
                 return
-            for ti, name, arr in dec.decode_range(self.metas, self._fetch, j0, j1, sel):
+            for ti, name, arr in dec.decode_range(self.metas, self._fetch, j0, j1, sel, refine_fetch=rf):
                 arr = arr[:, cut]
                 if out is not None:
                     dst = self._out_view(out, ti, name, b - a)
@@ -316,20 +337,22 @@ class KvzReader:
                 raise
             raise type(e)(f"{self.path}: {e}") from None
 
-    def iter_layers(self, tokens: tuple[int, int] | None = None, layers=None, out=None):
+    def iter_layers(self, tokens: tuple[int, int] | None = None, layers=None, out=None, tier=None):
         """Yield ``(name, array)`` tensor by tensor (layer by layer, key then value) for a token
         range ``[a, b)`` of ``layers`` (the first N layers for an int, or an iterable of layer
         indices); only the objects covering the range are read. With ``out`` (a dict name ->
         buffer, or a callable name -> buffer; numpy arrays or CPU torch tensors shaped
-        ``[kv_heads, b-a, d]``) values are written into the caller's buffers, which are yielded."""
+        ``[kv_heads, b-a, d]``) values are written into the caller's buffers, which are yielded.
+        ``tier``: ``"coarse"`` (the lossy tier alone) or ``"exact"`` (refined to the original bits;
+        only in files written with ``lossless``); default: the best the file has (:attr:`tiers`)."""
         lay = self.layout
         a, b, sel = self._range(tokens, layers)
-        for _, name, arr in self._decode(a, b, sel, out):
+        for _, name, arr in self._decode(a, b, sel, out, tier):
             if out is None and lay.batch_dim:
                 arr = arr[None]
             yield name, arr
 
-    def layers(self, tokens=None, layers=None, out=None):
+    def layers(self, tokens=None, layers=None, out=None, tier=None):
         """Yield ``(layer, key, value)`` layer by layer, in step with a forward pass. ``out``: a
         callable ``layer -> (key_buffer, value_buffer)`` or a dict of buffers by tensor name."""
         pending: dict = {}
@@ -342,24 +365,25 @@ class KvzReader:
                 if i not in bufs:
                     bufs[i] = out(i)
                 return bufs[i][0 if kind == "key" else 1]
-        for name, arr in self.iter_layers(tokens, layers, fn or out):
+        for name, arr in self.iter_layers(tokens, layers, fn or out, tier):
             i = int(name.split(".")[1])
             pending[name.split(".")[2]] = arr
             if len(pending) == 2:
                 yield i, pending["key"], pending["value"]
                 pending = {}
 
-    def read(self, tokens=None, layers=None) -> dict:
+    def read(self, tokens=None, layers=None, tier=None) -> dict:
         """Decode into ``{name: array}`` (the source's names, shapes and dtype)."""
-        return dict(self.iter_layers(tokens, layers))
+        return dict(self.iter_layers(tokens, layers, tier=tier))
 
-    def read_into(self, out, tokens=None, layers=None):
+    def read_into(self, out, tokens=None, layers=None, tier=None):
         """Decode into the caller's buffers (see :meth:`iter_layers`); returns ``out``."""
-        for _ in self.iter_layers(tokens, layers, out):
+        for _ in self.iter_layers(tokens, layers, out, tier):
             pass
         return out
 
-    def decompress_to(self, path, tokens=None, layers=None, chunk_objects: int = 1, progress=None) -> int:
+    def decompress_to(self, path, tokens=None, layers=None, chunk_objects: int = 1, progress=None,
+                      tier=None) -> int:
         """Decode into a safetensors file (atomically) in bounded memory: object range by object
         range through every layer, each slice written at its place in the output, so only
         ``chunk_objects`` × 256 positions of the cache are in memory at a time. Returns the bytes
@@ -384,7 +408,7 @@ class KvzReader:
             f.truncate(len(head) + t_bytes * len(names))
             for c0 in range((a // S) * S, b, step):
                 lo, hi = max(a, c0), min(b, c0 + step)
-                for _, name, arr in self._decode(lo, hi, sel):
+                for _, name, arr in self._decode(lo, hi, sel, tier=tier):
                     for h in range(lay.kv_heads):
                         f.seek(len(head) + slot[name] * t_bytes + (h * n_tok + lo - a) * row_bytes)
                         f.write(np.ascontiguousarray(arr[h]).tobytes())
@@ -430,8 +454,13 @@ class KvzReader:
         tot_e = sum(m.sq_err for m in self.metas)
         tot_n = sum(m.sq_norm for m in self.metas)
         emb = self.header["bank"].get("embedded")
+        tier_bytes = {}
+        n_c = len(self.metas) * self.n_objects_per_tensor
+        for k, name in enumerate(self.tiers):
+            tier_bytes[name] = sum(e.length + ENTRY_SIZE for e in self.index[k * n_c:(k + 1) * n_c])
         return {"file": self.path, "version": ".".join(map(str, self.version)), "layout": lay.to_json(),
-                "eps": self.eps, "eps_scope": self.scope, "tensor_cap": self.tensor_cap,
+                "eps": self.eps, "eps_scope": self.scope, "tensor_cap": self.tensor_cap, "tiers": list(self.tiers),
+                "tier_payload_bytes": tier_bytes,
                 "config": self.config.to_json(), "bank_id": self.bank_id, "bank_embedded": bool(emb),
                 "bank_bytes": int(emb["length"]) if emb else 0,
                 "file_bytes": size, "n_values": lay.n_values, "bpv": 8.0 * size / lay.n_values,

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import entropy
+from . import entropy, refine
 from .banks import find as find_bank
 from .banks import fitting
 from .config import CodecConfig
-from .encoder import SCOPES, TENSOR_CAP, Encoder, TensorMeta
+from .chain import OBJ_REFINE, OBJ_ZERO
+from .decoder import Decoder
+from .encoder import SCOPES, TENSOR_CAP, EncodedObject, Encoder, TensorMeta
 from .errors import BankMismatchError, KvzError, LayoutError, OutputExistsError
 from .format.container import FOOTER_SIZE, PREAMBLE_SIZE, Footer, IndexEntry, crc32, dump_header, pack_preamble
 from .header import build_header, minor_for
@@ -80,7 +82,7 @@ def _resolve_bank(bank, layout):
 
 
 def compress(cache, out=None, *, eps: float, bank=None, scope: str = "tensor", config: CodecConfig | None = None,
-             embed_bank: bool = False, coder: str = CODER, tensor_cap: float = TENSOR_CAP,
+             embed_bank: bool = False, coder: str = CODER, tensor_cap: float = TENSOR_CAP, lossless: bool = False,
              progress=None) -> CompressInfo:
     """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
     ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
@@ -90,6 +92,9 @@ def compress(cache, out=None, *, eps: float, bank=None, scope: str = "tensor", c
     stream (written sequentially), or None (the bytes are returned in ``info.data``).
     ``bank``: a :class:`~alignpred.Bank`, a path, or a registry id/name (see
     :mod:`alignpred.banks`); with ``embed_bank`` it is stored in the file and counted in bpv.
+    ``lossless``: add the refinement tier (:mod:`alignpred.refine`): the file then decodes to
+    the original bits exactly, and its coarse tier (at ``eps``) stays readable alone
+    (``KvzReader(..., tier="coarse")``), e.g. as a drafter's cache.
     ``progress(n)`` is called with positions done (several passes may run).
     """
     cache = _as_cache(cache)
@@ -98,7 +103,7 @@ def compress(cache, out=None, *, eps: float, bank=None, scope: str = "tensor", c
         if isinstance(out, (str, os.PathLike)) and src and same_file(out, src):
             raise OutputExistsError(f"{os.fspath(out)} is the input cache; write the .kvz to another path")
         return _compress(cache, out, eps=eps, bank=bank, scope=scope, config=config, embed_bank=embed_bank,
-                         coder=coder, tensor_cap=tensor_cap, progress=progress)
+                         coder=coder, tensor_cap=tensor_cap, lossless=lossless, progress=progress)
     except KvzError as e:
         if src and src not in str(e):
             raise type(e)(f"{src}: {e}") from None
@@ -110,9 +115,79 @@ def compress_bytes(cache, **kw) -> bytes:
     return compress(cache, None, **kw).data
 
 
-def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor_cap, progress) -> CompressInfo:
+def _refinement(cache, enc, metas, obs, read_spool, spool, where_pos: int, chunk: int = 2):
+    """The refinement tier: decode the coarse objects just written (the same code a reader runs),
+    take symbols against the original bits, choose a model per tensor and context (first pass),
+    code each object (second pass). Returns ``(refinement objects tensor-major, their spool
+    positions, end position in the spool)``; fills ``meta.refine_models``."""
+    lay = enc.layout
+    S = enc.config.object_size
+    n_obj = enc.n_obj
+    H, d = lay.kv_heads, lay.head_dim
+    n_ctx = refine.n_contexts(enc.frame.out_dtype)
+    dec = Decoder(lay, None, enc.config, enc.coder, plans=enc.plans)
+
+    def fetch(ti, j):
+        return obs[ti * n_obj + j], read_spool(ti * n_obj + j)
+
+    def channel_major(a):  # [H, n, d] -> [H*d, n], the order symbols are coded in
+        return np.ascontiguousarray(a.transpose(0, 2, 1).reshape(H * d, a.shape[1]))
+
+    def passes():
+        for j0 in range(0, n_obj, chunk):
+            j1 = min(n_obj, j0 + chunk)
+            a, b = j0 * S, min(lay.n_tokens, j1 * S)
+            for ti, name, arr in dec.decode_range(metas, fetch, j0, j1):
+                orig = cache.tensors[name]
+                orig = np.asarray(orig[0] if lay.batch_dim else orig)[:, a:b]
+                yield ti, j0, j1, a, channel_major(refine.symbols(orig, arr)), channel_major(refine.contexts(arr))
+
+    hist = np.zeros((len(metas), n_ctx * entropy.N_TOKENS), np.int64)
+    for ti, _, _, _, r, ctx in passes():
+        tok = rans_tokens(r)
+        hist[ti] += np.bincount((ctx.reshape(-1) * entropy.N_TOKENS + tok), minlength=hist.shape[1])
+    for ti, m in enumerate(metas):
+        m.refine_models = entropy.models_from_histogram(hist[ti].reshape(n_ctx, entropy.N_TOKENS))
+    robs: list = [None] * (len(metas) * n_obj)
+    where = np.zeros((len(robs), 2), np.int64)
+    pos = where_pos
+    for ti, j0, j1, a, r, ctx in passes():
+        for j in range(j0, j1):
+            cols = slice(j * S - a, j * S - a + int(enc.obj_rows[j]))
+            rows = r[:, cols]
+            if rows.any():
+                ids = metas[ti].refine_models[ctx[:, cols]]
+                payload, flags = entropy.encode_ctx(rows, ids), OBJ_REFINE
+            else:
+                payload, flags = b"", OBJ_REFINE | OBJ_ZERO
+            k = ti * n_obj + j
+            spool.seek(pos)
+            spool.write(payload)
+            where[k] = pos, len(payload)
+            pos += len(payload)
+            coarse = obs[k]
+            robs[k] = EncodedObject(tensor=ti, token_start=j * S, n_tokens=coarse.n_tokens, flags=flags, delta=0.0,
+                                    sq_err=0.0, sq_norm=coarse.sq_norm, payload=b"")
+    return robs, where, pos
+
+
+def rans_tokens(q: np.ndarray) -> np.ndarray:
+    """Token of every value of ``q`` (flat int64), as the entropy coder maps it."""
+    from .rans import tokenize_array
+
+    return tokenize_array(np.ascontiguousarray(q, np.int32))[0].astype(np.int64)
+
+
+def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor_cap, lossless,
+              progress) -> CompressInfo:
     config = config or CodecConfig()
     lay = cache.layout
+    if lossless and config.arith != "exact":
+        from dataclasses import replace
+
+        config = replace(config, arith="exact")  # a refinement tier needs the same coarse bits everywhere
+    if lossless and config.align:
+        raise KvzError("the lossless tier needs exact arithmetic, which does not combine with --align")
     if lay.n_tokens == 0:
         raise LayoutError("the cache has no tokens (empty cache); nothing to compress: capture at least one token")
     if scope not in SCOPES:
@@ -154,8 +229,8 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
         source_metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in cache.metadata.items()}
         cap = enc.tensor_cap
 
-        def read_spool(k):
-            n, off = int(where[k, 1]), int(where[k, 0])
+        def read_spool(k, table=where):
+            n, off = int(table[k, 1]), int(table[k, 0])
             if not n:
                 return b""
             spool.seek(off)
@@ -164,22 +239,32 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
                 raise KvzError("the temporary spool file was truncated while compressing")
             return payload
 
+        tiers = ["coarse"]
+        if lossless:
+            try:
+                robs, rwhere, pos = _refinement(cache, enc, metas, obs, read_spool, spool, pos)
+            except OSError as e:
+                raise KvzError(f"cannot write {os.fspath(out) if is_path else 'the output'}: {e.strerror or e} "
+                               "(temporary spool)") from None
+            tiers.append("exact")
+
         def chunks():
             yield pack_preamble(minor=minor_for(lay, config, cap))
             off = PREAMBLE_SIZE
-            for k, ob in enumerate(obs):
-                payload = read_spool(k)
-                entries.append(IndexEntry(ob.tensor, ob.token_start, ob.n_tokens, ob.flags, off, len(payload),
-                                          ob.delta, ob.sq_err, ob.sq_norm, crc32(payload)))
-                off += len(payload)
-                yield payload
+            for table, objs in ((where, obs),) + (((rwhere, robs),) if lossless else ()):
+                for k, ob in enumerate(objs):
+                    payload = read_spool(k, table)
+                    entries.append(IndexEntry(ob.tensor, ob.token_start, ob.n_tokens, ob.flags, off, len(payload),
+                                              ob.delta, ob.sq_err, ob.sq_norm, crc32(payload)))
+                    off += len(payload)
+                    yield payload
             bank_info = {"id": bank.id, "model": bank.model, "embedded": None}
             if embed_bank:
                 bank_info["embedded"] = {"offset": off, "length": len(bank_bytes), "crc32": crc32(bank_bytes)}
                 off += len(bank_bytes)
                 yield bank_bytes
             header = build_header(layout=lay, config=config, eps=eps, scope=scope, tensor_cap=cap, coder=coder,
-                                  bank_info=bank_info, metas=metas, source_metadata=source_metadata)
+                                  bank_info=bank_info, metas=metas, source_metadata=source_metadata, tiers=tiers)
             hb = dump_header(header)
             ib = b"".join(e.pack() for e in entries)
             ft = Footer(off, len(hb), off + len(hb), len(ib), crc32(hb), crc32(ib))

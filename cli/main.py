@@ -89,12 +89,15 @@ def cli():
               help="First positions of the sequence (attention sink) coded with a 16x finer step; 0 disables.")
 @click.option("--tensor-cap", type=float, default=3.0, show_default=True,
               help="Pooled scope: cap every tensor's NRMSE at this multiple of eps (0 = no cap).")
+@click.option("--lossless", is_flag=True,
+              help="Add a refinement tier: the file decodes to the original bits; its coarse tier (at --eps) stays "
+                   "readable alone (decompress --tier coarse).")
 @click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_errors
 def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map, blend, no_intra,
-             no_channel_choice, no_rope_undo, sink_tokens, tensor_cap, force, as_json, quiet):
+             no_channel_choice, no_rope_undo, sink_tokens, tensor_cap, lossless, force, as_json, quiet):
     """Compress a KV cache (safetensors) into a .kvz file.
 
     BANK is a bank file, a registered bank's name (see `kvz bank list`; e.g. gemma-3-270m) or
@@ -120,9 +123,9 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
     # the bar counts positions coded over all passes.
     with _progress(None, "compress", quiet, unit="pos") as bar:
         info = compress_cache(cache, out, eps=eps, bank=b, scope=eps_scope, config=cfg, embed_bank=self_calibrate,
-                              tensor_cap=tensor_cap, progress=bar.update)
+                              tensor_cap=tensor_cap, lossless=lossless, progress=bar.update)
     b_id = info.bank_id
-    res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "bpv": info.bpv,
+    res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "lossless": lossless, "bpv": info.bpv,
            "file_bytes": info.file_bytes, "bank_bytes": info.bank_bytes, "n_values": info.n_values,
            "nrmse_pooled": info.nrmse_pooled, "nrmse_max_tensor": info.nrmse_max_tensor, "bank_id": b_id}
     src_bits = 32 if cache.layout.dtype == "float32" else 16
@@ -130,7 +133,8 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
                          f"({src_bits / info.bpv:.2f}x smaller than the {cache.layout.dtype} input)",
                          f"error: pooled NRMSE {info.nrmse_pooled:.6f}, worst tensor {info.nrmse_max_tensor:.6f} "
                          f"(eps {eps}, scope {eps_scope}"
-                         f"{f', tensor cap {tensor_cap:g} x eps' if eps_scope == 'pooled' and tensor_cap else ''})"])
+                         f"{f', tensor cap {tensor_cap:g} x eps' if eps_scope == 'pooled' and tensor_cap else ''})"
+                         f"{'; the exact tier decodes to the original bits' if lossless else ''}"])
 
 
 @cli.command()
@@ -139,11 +143,13 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
 @click.option("--bank", type=click.Path(dir_okay=False), help="Bank the file was written with (if not embedded).")
 @click.option("--tokens", help="Token range A:B to decode (default: all).")
 @click.option("--layers", type=int, help="Decode only the first N layers.")
+@click.option("--tier", type=click.Choice(["coarse", "exact"]),
+              help="Tier of a --lossless file (default: the best it has).")
 @click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("-q", "--quiet", is_flag=True)
 @_errors
-def decompress(src, out, bank, tokens, layers, force, as_json, quiet):
+def decompress(src, out, bank, tokens, layers, tier, force, as_json, quiet):
     """Decode a .kvz file back to safetensors (same names, shapes and dtypes).
 
     OUT defaults to SRC with .safetensors; an existing file (the original cache, typically) is
@@ -168,7 +174,7 @@ def decompress(src, out, bank, tokens, layers, force, as_json, quiet):
     _ = r.decoder  # resolve the bank (and fail on a wrong one) before creating the output
     a, b = rng or (0, lay.n_tokens)
     with _progress(b - a, "decompress", quiet, unit="pos") as bar:
-        r.decompress_to(out, rng, n_layers, progress=bar.update)
+        r.decompress_to(out, rng, n_layers, progress=bar.update, tier=tier)
     specs = lay.tensor_names()[:2 * n_layers]
     _emit({"input": src, "output": out, "tensors": len(specs)}, as_json, [f"{out}: {len(specs)} tensors"])
 
@@ -213,6 +219,8 @@ def inspect(src, as_json):
              f"{s['file_bytes']} bytes, {s['bpv']:.3f} bits/value; eps {s['eps']} ({s['eps_scope']}{cap}); "
              f"pooled NRMSE {s['nrmse_pooled']:.6f}, worst tensor {s['nrmse_max_tensor']:.6f}",
              f"bank {s['bank_id']}{' (embedded, %d bytes)' % s['bank_bytes'] if s['bank_embedded'] else ''}",
+             "tiers: " + ", ".join(f"{t} {8 * s['tier_payload_bytes'][t] / s['n_values']:.3f} bpv"
+                                   for t in s["tiers"]),
              f"{'tensor':<20} {'nrmse':>9} {'bpv':>7} {'worst object':>13}"]
     for name, t in s["tensors"].items():
         lines.append(f"{name:<20} {t['nrmse']:9.6f} {t['bpv_payload']:7.3f} {t['max_object_nrmse']:13.6f}")
