@@ -4,7 +4,8 @@ Each tensor is cut into objects of ``object_size`` positions. Per block (one hea
 and channel a prediction mode is chosen (:mod:`alignpred.predictors`); residuals are quantised on
 a lattice whose step is searched so that the *measured* error, after the inverse transform and
 the cast to the source dtype, meets ``eps`` in every unit of the scope (``object``, ``tensor`` or
-``pooled``; the pooled scope also caps every tensor at ``tensor_cap × eps``).
+``pooled``, or ``weighted`` — a pooled budget in which each tensor's error counts by a weight, e.g.
+its measured effect on the model's output; both cap every tensor at ``tensor_cap × eps``).
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from .predictors import BASE_MASK, INTERP, ZERO
 from .quantize import channel_entropy_bits, quantize_residual
 from .ratesearch import bracket_search
 
-SCOPES = ("object", "tensor", "pooled")
+SCOPES = ("object", "tensor", "pooled", "weighted")
+JOINT = ("pooled", "weighted")  # scopes whose budget spans the whole cache
 CHOICE_OBJECTS = 8  # the encoder chooses predictor modes on at most this many objects per tensor
-TENSOR_CAP = 3.0  # pooled scope: default cap of every tensor's NRMSE, in multiples of eps
+TENSOR_CAP = 3.0  # pooled/weighted scope: default cap of every tensor's NRMSE, in multiples of eps
 
 
 @dataclass
@@ -51,9 +53,11 @@ class TensorMeta:
 
 
 class Encoder(Chain):
-    """Encode a cache in bounded memory. ``scope`` is ``object``, ``tensor`` or ``pooled``;
-    ``tensor_cap`` (pooled scope only; 0 = none) bounds every tensor's NRMSE by
-    ``tensor_cap * eps``.
+    """Encode a cache in bounded memory. ``scope`` is ``object``, ``tensor``, ``pooled`` or
+    ``weighted``; ``tensor_cap`` (pooled and weighted scopes; 0 = none) bounds every tensor's
+    NRMSE by ``tensor_cap * eps``. ``weights`` (weighted scope: one positive number per tensor, in
+    layout order) make the budget ``sum_t w_t NRMSE_t^2 <= eps^2 sum_t w_t``; steps are then
+    allocated as ``Δ_t ∝ ||X_t|| / sqrt(w_t)``, which minimises the bits for that budget.
 
     Work runs *object chunk by object chunk* through every layer (``chunk_objects`` objects of
     every tensor at a time), as predictions only combine rows of the same positions: memory
@@ -68,7 +72,7 @@ class Encoder(Chain):
     """
 
     def __init__(self, layout, bank, config, eps: float, scope: str = "tensor", coder: str = "rans4",
-                 chunk_objects: int = 2, tensor_cap: float = TENSOR_CAP, plans=None):
+                 chunk_objects: int = 2, tensor_cap: float = TENSOR_CAP, plans=None, weights=None):
         super().__init__(layout, bank, config, coder, plans)
         if not (0.0 < eps < 1.0):
             raise EncodeError(f"eps must be in (0, 1), got {eps}")
@@ -78,7 +82,17 @@ class Encoder(Chain):
             raise EncodeError(f"tensor_cap must be 0 (none) or >= 1, got {tensor_cap}")
         self.eps = float(eps)
         self.scope = scope
-        self.tensor_cap = float(tensor_cap) if scope == "pooled" else 0.0
+        self.tensor_cap = float(tensor_cap) if scope in JOINT else 0.0
+        n_t = 2 * layout.num_layers
+        if scope == "weighted":
+            w = np.asarray(weights if weights is not None else [], np.float64).reshape(-1)
+            if w.shape != (n_t,) or not np.all(np.isfinite(w)) or not np.all(w > 0):
+                raise EncodeError(f"the weighted scope needs {n_t} positive finite tensor weights")
+            self.weights = w
+        elif weights is not None:
+            raise EncodeError("tensor weights are used by the weighted scope only")
+        else:
+            self.weights = None
         self.chunk_objects = max(1, int(chunk_objects))
         self.metas: list[TensorMeta] = []
         self._release = None
@@ -208,7 +222,7 @@ class Encoder(Chain):
         modes: list = [None] * n_t
         hists = np.zeros((n_t, H * d, entropy.N_TOKENS), np.int32)
         delta = np.zeros((n_t, self.n_obj), np.float32)
-        if self.scope == "pooled":
+        if self.scope in JOINT:
             def evaluate(dt):  # one step per tensor -> (errors per tensor, histograms)
                 preds.clear()  # earlier tensors' reconstructions change with the steps
                 local: dict = {}
@@ -224,7 +238,7 @@ class Encoder(Chain):
 
             norm_t = norms[:, objs].sum(axis=1)
             g0 = max(self.eps * np.sqrt(12.0 * norm_t.sum() / (rows.sum() * n_t)), 1e-30)
-            dt, hs = self._pooled_search(evaluate, np.full(n_t, g0), norm_t)
+            dt, hs = self._pooled_search(evaluate, g0 * self._step_shape(norm_t), norm_t)
             return modes, np.repeat(dt.astype(np.float32)[:, None], self.n_obj, axis=1), np.stack(hs)
         local: dict = {}
         for ti in range(n_t):
@@ -265,26 +279,42 @@ class Encoder(Chain):
                 self._early["objects"].extend(self._objects(ti, q, 0, self.n_obj, 0, delta, zero, err, models))
         return modes, delta, hists
 
-    def _pooled_search(self, evaluate, d0, norm_t, aim: float = 0.997, widen: int = 0):
-        """Pooled scope: the largest steps with the whole cache's error within ``eps`` and, with
-        a cap, every tensor's NRMSE within ``tensor_cap × eps``. Steps are one global ``g``, except
-        that a tensor that would pass its cap gets the step that holds it at the cap.
+    def _step_shape(self, norm_t) -> np.ndarray:
+        """Relative steps per tensor that minimise bits for the scope's budget: equal steps for
+        the pooled scope; ``||X_t|| / sqrt(w_t)`` for the weighted one (normalised to max 1)."""
+        if self.weights is None:
+            return np.ones(len(norm_t))
+        s = np.sqrt(np.maximum(norm_t, 1e-300) / self.weights)
+        return s / s.max()
 
-        Model-based: each tensor's error is close to ``c_t · step_t²``; after every pass ``c_t``
-        is re-measured, the cap steps follow, and ``g`` solves ``Σ c_t min(g, cap_t)² = aim ·
-        target`` (bisection); it stops when both constraints hold and the pooled error is within
-        the band below its target (0.6 %, doubling per pass from the ``widen``-th pass on).
-        ``evaluate(steps per tensor)`` returns ``(errors per tensor, result)``; returns
-        ``(steps, result)``."""
+    def _pooled_search(self, evaluate, d0, norm_t, aim: float = 0.997, widen: int = 0):
+        """Pooled and weighted scopes: the largest steps with the cache's (weighted) error within
+        ``eps`` and, with a cap, every tensor's NRMSE within ``tensor_cap × eps``. Steps are
+        ``g × shape_t`` (:meth:`_step_shape`), except that a tensor that would pass its cap gets
+        the step that holds it at the cap.
+
+        Model-based: each tensor's squared error is close to ``c_t · step_t²``; after every pass
+        ``c_t`` is re-measured, the cap steps follow, and ``g`` solves ``Σ u_t c_t min(g shape_t,
+        cap_t)² = aim · target`` (bisection; ``u_t = w_t / ||X_t||²``, 1 when pooled); it stops
+        when both constraints hold and the budget is used to within the band below its target
+        (0.6 %, doubling per pass from the ``widen``-th pass on). ``evaluate(steps per tensor)``
+        returns ``(squared errors per tensor, result)``; returns ``(steps, result)``."""
         from .ratesearch import BAND
 
-        target = self.eps ** 2 * float(norm_t.sum())
+        norm_t = np.asarray(norm_t, np.float64)
+        if self.weights is None:
+            u = np.ones(len(norm_t))
+            target = self.eps ** 2 * float(norm_t.sum())
+        else:  # zero tensors have no error to weigh
+            u = np.where(norm_t > 0, self.weights / np.maximum(norm_t, 1e-300), 0.0)
+            target = self.eps ** 2 * float(self.weights[norm_t > 0].sum())
+        shape = self._step_shape(norm_t)
         cap_t = (self.tensor_cap * self.eps) ** 2 * norm_t if self.tensor_cap else np.full(len(norm_t), np.inf)
         d = np.asarray(d0, np.float64).copy()
         best = None
         for it in range(16):
             e, res = evaluate(d.astype(np.float32))
-            tot = float(e.sum())
+            tot = float(np.sum(u * e))
             caps_ok = bool(np.all(e <= cap_t))
             band = BAND * (2.0 ** max(0, it + 1 - widen) if widen else 1.0)
             if tot <= target and caps_ok:
@@ -294,35 +324,38 @@ class Encoder(Chain):
                     return d, res
             c = np.where(e > 0, e / np.maximum(d, 1e-300) ** 2, 0.0)
             cap_step = np.where(c > 0, np.sqrt(aim * cap_t / np.maximum(c, 1e-300)), np.inf)
-            g_lo, g_hi = 0.0, float(np.max(np.where(np.isfinite(cap_step), cap_step, d))) * 4.0 + 1e-30
+            live = (c > 0) & (u > 0)
 
-            def pooled(g):
-                return float(np.sum(c * np.minimum(g, cap_step) ** 2))
+            def budget(g):
+                return float(np.sum(u * c * np.minimum(g * shape, cap_step) ** 2))
 
-            while pooled(g_hi) < aim * target and g_hi < 1e30 and np.any(~np.isfinite(cap_step) & (c > 0)):
+            g_lo = 0.0
+            g_hi = float(np.max(np.where(np.isfinite(cap_step), cap_step, d) / shape)) * 4.0 + 1e-30
+            while budget(g_hi) < aim * target and g_hi < 1e30 and np.any(~np.isfinite(cap_step) & live):
                 g_hi *= 4.0
             for _ in range(60):
                 g = 0.5 * (g_lo + g_hi)
-                if pooled(g) <= aim * target:
+                if budget(g) <= aim * target:
                     g_lo = g
                 else:
                     g_hi = g
-            new = np.minimum(g_lo, cap_step)
+            new = np.minimum(g_lo * shape, cap_step)
             new = np.where(np.isfinite(new) & (new > 0), new, d)
             if not (tot <= target and caps_ok):  # infeasible: never move a failing unit up
-                new = np.where(e > np.minimum(cap_t, target), np.minimum(new, d * 0.999), new)
+                failing = (e > cap_t) | ((u * e) > 0) & (tot > target)
+                new = np.where(failing, np.minimum(new, d * 0.999), new)
             d = new
         if best is not None:
             return best[1], best[2]
         for _ in range(200):  # the model did not converge: shrink what fails until both hold
             e, res = evaluate(d.astype(np.float32))
-            if e.sum() <= target and np.all(e <= cap_t):
+            if np.sum(u * e) <= target and np.all(e <= cap_t):
                 return d, res
-            d = d * (0.99 if e.sum() > target else 1.0)
+            d = d * (0.99 if np.sum(u * e) > target else 1.0)
             d = np.where(e > cap_t, d * 0.99, d)
             if np.all(d < 1e-30):
                 break
-        raise EncodeError("cannot meet the pooled error budget and the tensor cap together")
+        raise EncodeError(f"cannot meet the {self.scope} error budget and the tensor cap together")
 
     def _choose(self, plan, z, local, delta_rows):
         """Modes ``[d]`` with the smallest estimated cost at the initial step, and the base
@@ -427,7 +460,7 @@ class Encoder(Chain):
 
         # Aim at the middle of the band: a unit's error drifts a little when other units' steps
         # change (through predictions), and should stay inside it.
-        if self.scope == "pooled":
+        if self.scope in JOINT:
             dl, hist = self._pooled_search(evaluate, first, norms.sum(axis=1), aim=0.997, widen=4)
         else:
             target = self.eps ** 2 * np.bincount(unit.ravel(), norms.ravel(), n_u)
@@ -447,7 +480,7 @@ class Encoder(Chain):
         # Short caches (tensor/object scope) are final after the sample search, which codes each
         # tensor's objects as it goes (models first, then its objects); otherwise one more pass.
         early: dict = {"models": [], "objects": []}
-        self._early = early if self.n_obj <= CHOICE_OBJECTS and self.scope != "pooled" else None
+        self._early = early if self.n_obj <= CHOICE_OBJECTS and self.scope not in JOINT else None
         delta, modes, hist = self._search(tensors, norms, zero, progress)
         if self._early is not None:
             models, emitted = early["models"], early["objects"]

@@ -45,16 +45,16 @@ def unb64(s, n: int, what: str) -> np.ndarray:
 TIERS = ("coarse", "exact")
 
 
-def minor_for(layout, config, tensor_cap: float = 0.0, tiers=("coarse",)) -> int:
+def minor_for(layout, config, tensor_cap: float = 0.0, tiers=("coarse",), scope: str = "tensor") -> int:
     """The oldest minor version that can express a file: 1.1 for exact arithmetic, an absolute
     sink, an exact RoPE spec, a tensor cap or a refinement tier; 1.0 otherwise (kvz 0.1)."""
     new = (config.arith != "float" or config.sink_origin != "file" or layout.rope is not None or bool(tensor_cap)
-           or list(tiers) != ["coarse"])
+           or list(tiers) != ["coarse"] or scope == "weighted")
     return 1 if new else 0
 
 
 def build_header(*, layout, config, eps, scope, tensor_cap, coder, bank_info, metas, source_metadata,
-                 tiers=("coarse",)) -> dict:
+                 tiers=("coarse",), weights=None, target_kl=None) -> dict:
     """The header dict of a file (the writer adds nothing else)."""
     codec = {"name": "alignpred", "config": config.to_json(), "eps": eps, "eps_scope": scope,
              "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": entropy.PREC}}
@@ -62,6 +62,10 @@ def build_header(*, layout, config, eps, scope, tensor_cap, coder, bank_info, me
         codec["tensor_cap"] = tensor_cap
     if list(tiers) != ["coarse"]:
         codec["tiers"] = list(tiers)
+    if weights is not None:
+        codec["tensor_weights"] = list(weights)
+    if target_kl is not None:
+        codec["target_kl"] = target_kl
 
     def tensor(m):
         t = {"name": m.name, "modes": b64(m.modes), "models": b64(m.models), "sq_err": m.sq_err, "sq_norm": m.sq_norm}
@@ -70,7 +74,7 @@ def build_header(*, layout, config, eps, scope, tensor_cap, coder, bank_info, me
         return t
 
     return {
-        "format": "kvz", "version": [MAJOR, minor_for(layout, config, tensor_cap, tiers)], "flags": 0,
+        "format": "kvz", "version": [MAJOR, minor_for(layout, config, tensor_cap, tiers, scope)], "flags": 0,
         "created_by": f"kvz {__version__}", "layout": layout.to_json(), "codec": codec, "bank": bank_info,
         "tensors": [tensor(m) for m in metas],
         "source_metadata": {k: v for k, v in source_metadata.items() if k != "token_ids"},
@@ -172,6 +176,12 @@ def check_header(h: dict) -> None:
         raise FormatError(f"unknown tiers {tiers!r}")
     if tiers == ["coarse", "exact"] and cfg.get("arith") != "exact":
         raise FormatError("a refinement tier needs exact arithmetic")
+    tw = codec.get("tensor_weights")
+    if tw is not None and not (isinstance(tw, list) and all(type(x) in (int, float) and math.isfinite(x) and x > 0
+                                                            for x in tw)):
+        raise FormatError("codec.tensor_weights must be positive numbers")
+    if (codec["eps_scope"] == "weighted") != (tw is not None):
+        raise FormatError("codec.tensor_weights go with the weighted scope")
     cap = codec.get("tensor_cap", 0.0)
     if not (type(cap) in (int, float) and (cap == 0 or 1 <= cap < 1e6)):
         raise FormatError("codec.tensor_cap must be 0 or a number >= 1")

@@ -149,7 +149,7 @@ class KvzReader:
             raise FormatError(f"unsupported entropy coder {ent!r}")
         from .header import minor_for
 
-        if self.version[1] < minor_for(self.layout, self.config, self.tensor_cap, self.tiers):
+        if self.version[1] < minor_for(self.layout, self.config, self.tensor_cap, self.tiers, self.scope):
             raise FormatError(f"the header uses features of a newer minor version than the file's {self.version}")
         lay = self.layout
         S = self.config.object_size

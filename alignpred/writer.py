@@ -50,6 +50,10 @@ class CompressInfo:
     nrmse_tensor: dict
     bank_id: str = ""
     data: bytes | None = None  # the file's bytes, when compressed to memory
+    eps: float = 0.0
+    scope: str = ""
+    nrmse_weighted: float | None = None  # weighted scope: sqrt(sum w_t NRMSE_t^2 / sum w_t)
+    kl_predicted: float | None = None  # weighted scope: sum w_t NRMSE_t^2 (KL, with weights in KL/NRMSE^2)
 
     @property
     def bpv(self) -> float:
@@ -81,8 +85,9 @@ def _resolve_bank(bank, layout):
     return find_bank(bank, layout)
 
 
-def compress(cache, out=None, *, eps: float, bank=None, scope: str = "tensor", config: CodecConfig | None = None,
-             embed_bank: bool = False, coder: str = CODER, tensor_cap: float = TENSOR_CAP, lossless: bool = False,
+def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str = "tensor",
+             config: CodecConfig | None = None, embed_bank: bool = False, coder: str = CODER,
+             tensor_cap: float = TENSOR_CAP, lossless: bool = False, weights=None, target_kl: float | None = None,
              progress=None) -> CompressInfo:
     """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
     ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
@@ -92,6 +97,11 @@ def compress(cache, out=None, *, eps: float, bank=None, scope: str = "tensor", c
     stream (written sequentially), or None (the bytes are returned in ``info.data``).
     ``bank``: a :class:`~alignpred.Bank`, a path, or a registry id/name (see
     :mod:`alignpred.banks`); with ``embed_bank`` it is stored in the file and counted in bpv.
+    ``scope="weighted"``: the budget is ``sum_t w_t NRMSE_t² <= eps² sum_t w_t`` with
+    ``weights`` (``{tensor name: w}``; default: the bank's sensitivity record, see
+    :func:`alignpred.banks.sensitivity`) — error goes where the model is least sensitive.
+    ``target_kl`` (instead of ``eps``): ask for a mean next-token KL divergence; with weights in
+    KL per NRMSE² the weighted scope is used with ``eps = sqrt(target_kl / sum_t w_t)``.
     ``lossless``: add the refinement tier (:mod:`alignpred.refine`): the file then decodes to
     the original bits exactly, and its coarse tier (at ``eps``) stays readable alone
     (``KvzReader(..., tier="coarse")``), e.g. as a drafter's cache.
@@ -103,7 +113,8 @@ def compress(cache, out=None, *, eps: float, bank=None, scope: str = "tensor", c
         if isinstance(out, (str, os.PathLike)) and src and same_file(out, src):
             raise OutputExistsError(f"{os.fspath(out)} is the input cache; write the .kvz to another path")
         return _compress(cache, out, eps=eps, bank=bank, scope=scope, config=config, embed_bank=embed_bank,
-                         coder=coder, tensor_cap=tensor_cap, lossless=lossless, progress=progress)
+                         coder=coder, tensor_cap=tensor_cap, lossless=lossless, weights=weights,
+                         target_kl=target_kl, progress=progress)
     except KvzError as e:
         if src and src not in str(e):
             raise type(e)(f"{src}: {e}") from None
@@ -178,8 +189,31 @@ def rans_tokens(q: np.ndarray) -> np.ndarray:
     return tokenize_array(np.ascontiguousarray(q, np.int32))[0].astype(np.int64)
 
 
-def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor_cap, lossless,
-              progress) -> CompressInfo:
+def _tensor_weights(weights, bank, lay):
+    """Per-tensor weights in layout order from a dict (or the bank's sensitivity record)."""
+    from .banks import sensitivity
+
+    src = "given"
+    if weights is None:
+        rec = sensitivity(bank.id, bank.model)
+        if rec is None:
+            raise KvzError("the weighted scope and target_kl need tensor weights: pass weights={tensor: w}, or measure "
+                           f"them for this bank with benchmarks/sensitivity.py (no record for bank {bank.id[:19]}…)")
+        weights, src = rec["tensor_weights"], "bank sensitivity record"
+    if not isinstance(weights, dict):
+        raise KvzError("weights must be a mapping {tensor name: positive weight}")
+    names = lay.tensor_names()
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise KvzError(f"weights ({src}) lack {missing[0]} (and {len(missing) - 1} more)")
+    w = np.array([float(weights[n]) for n in names])
+    if not (np.all(np.isfinite(w)) and np.all(w > 0)):
+        raise KvzError("tensor weights must be positive finite numbers")
+    return w
+
+
+def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor_cap, lossless, weights,
+              target_kl, progress) -> CompressInfo:
     config = config or CodecConfig()
     lay = cache.layout
     if lossless and config.arith != "exact":
@@ -192,13 +226,24 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
         raise LayoutError("the cache has no tokens (empty cache); nothing to compress: capture at least one token")
     if scope not in SCOPES:
         raise KvzError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
+    if target_kl is not None:
+        if eps is not None:
+            raise KvzError("give eps or target_kl, not both")
+        if not (isinstance(target_kl, (int, float)) and math.isfinite(target_kl) and target_kl > 0):
+            raise KvzError(f"target_kl must be a positive number, got {target_kl!r}")
+        scope = "weighted"
+    elif eps is None:
+        raise KvzError("give the error bound eps (e.g. eps=0.03) or a quality target target_kl")
+    bank = _resolve_bank(bank, lay)
+    w = _tensor_weights(weights, bank, lay) if scope == "weighted" else None
+    if target_kl is not None:
+        eps = math.sqrt(target_kl / float(w.sum()))
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and 0 < eps < 1):
         raise KvzError(f"eps must be a number in (0, 1), got {eps!r}")
-    bank = _resolve_bank(bank, lay)
     from .detect import check_rope
 
     check_rope(lay, bank, cache.tensors)
-    enc = Encoder(lay, bank, config, eps, scope, coder, tensor_cap=tensor_cap)
+    enc = Encoder(lay, bank, config, eps, scope, coder, tensor_cap=tensor_cap, weights=w)
     bank_bytes = bank.to_bytes() if embed_bank else b""
     n_obj = enc.n_obj
     buf = cache.buf
@@ -249,7 +294,7 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
             tiers.append("exact")
 
         def chunks():
-            yield pack_preamble(minor=minor_for(lay, config, cap))
+            yield pack_preamble(minor=minor_for(lay, config, cap, tiers, scope))
             off = PREAMBLE_SIZE
             for table, objs in ((where, obs),) + (((rwhere, robs),) if lossless else ()):
                 for k, ob in enumerate(objs):
@@ -264,7 +309,8 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
                 off += len(bank_bytes)
                 yield bank_bytes
             header = build_header(layout=lay, config=config, eps=eps, scope=scope, tensor_cap=cap, coder=coder,
-                                  bank_info=bank_info, metas=metas, source_metadata=source_metadata, tiers=tiers)
+                                  bank_info=bank_info, metas=metas, source_metadata=source_metadata, tiers=tiers,
+                                  weights=None if w is None else [float(x) for x in w], target_kl=target_kl)
             hb = dump_header(header)
             ib = b"".join(e.pack() for e in entries)
             ft = Footer(off, len(hb), off + len(hb), len(ib), crc32(hb), crc32(ib))
@@ -294,5 +340,11 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
     tens = {m.name: math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0 for m in metas}
     tot_e = sum(m.sq_err for m in metas)
     tot_n = sum(m.sq_norm for m in metas)
-    return CompressInfo(os.fspath(out) if is_path else None, lay.n_values, state["bytes"], len(bank_bytes),
-                        math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0, tens, bank.id, data)
+    info = CompressInfo(os.fspath(out) if is_path else None, lay.n_values, state["bytes"], len(bank_bytes),
+                        math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0, tens, bank.id, data, eps=float(eps), scope=scope)
+    if w is not None:
+        live = np.array([m.sq_norm > 0 for m in metas])
+        err2 = np.array([tens[m.name] ** 2 for m in metas])
+        info.nrmse_weighted = math.sqrt(float(np.sum(w[live] * err2[live]) / np.sum(w[live])))
+        info.kl_predicted = float(np.sum(w * err2))
+    return info

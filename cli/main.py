@@ -73,9 +73,14 @@ def cli():
 @cli.command()
 @click.argument("src", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="Output .kvz (default: SRC with .kvz).")
-@click.option("--eps", type=float, default=0.03, show_default=True, help="Relative Frobenius error bound (NRMSE).")
-@click.option("--eps-scope", type=click.Choice(["object", "tensor", "pooled"]), default="tensor", show_default=True,
-              help="Unit that must meet eps: each 256-token object, each tensor, or the whole cache.")
+@click.option("--eps", type=float, default=None, help="Relative Frobenius error bound (NRMSE)  [default: 0.03]")
+@click.option("--eps-scope", type=click.Choice(["object", "tensor", "pooled", "weighted"]), default="tensor",
+              show_default=True,
+              help="Unit that must meet eps: each 256-token object, each tensor, the whole cache, or the whole cache with "
+                   "each tensor weighted by its measured effect on the model's output (the bank's sensitivity record).")
+@click.option("--target-kl", type=float, default=None,
+              help="Ask for a mean next-token KL divergence instead of an NRMSE (weighted scope; needs the bank's "
+                   "sensitivity record).")
 @click.option("--bank", type=click.Path(dir_okay=False), help="Calibration bank (.h5) fitted on other caches.")
 @click.option("--self-calibrate", is_flag=True, help="Fit a bank on this cache and embed it (counted in bpv).")
 @click.option("--rank", type=int, default=16, show_default=True, help="Map rank for --self-calibrate (0 = full).")
@@ -96,13 +101,17 @@ def cli():
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_errors
-def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map, blend, no_intra,
+def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, align, no_map, blend, no_intra,
              no_channel_choice, no_rope_undo, sink_tokens, tensor_cap, lossless, force, as_json, quiet):
     """Compress a KV cache (safetensors) into a .kvz file.
 
     BANK is a bank file, a registered bank's name (see `kvz bank list`; e.g. gemma-3-270m) or
     its content id."""
     out = out or os.path.splitext(src)[0] + ".kvz"
+    if target_kl is not None and eps is not None:
+        raise click.UsageError("give --eps or --target-kl, not both")
+    if target_kl is None and eps is None:
+        eps = 0.03
     if self_calibrate and bank:
         raise click.UsageError("give one of --bank BANK or --self-calibrate, not both")
     cache = load_cache(src)  # a bad input is reported before the output is looked at
@@ -123,17 +132,20 @@ def compress(src, out, eps, eps_scope, bank, self_calibrate, rank, align, no_map
     # the bar counts positions coded over all passes.
     with _progress(None, "compress", quiet, unit="pos") as bar:
         info = compress_cache(cache, out, eps=eps, bank=b, scope=eps_scope, config=cfg, embed_bank=self_calibrate,
-                              tensor_cap=tensor_cap, lossless=lossless, progress=bar.update)
+                              tensor_cap=tensor_cap, lossless=lossless, target_kl=target_kl, progress=bar.update)
+    eps, eps_scope = info.eps, info.scope
     b_id = info.bank_id
     res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "lossless": lossless, "bpv": info.bpv,
            "file_bytes": info.file_bytes, "bank_bytes": info.bank_bytes, "n_values": info.n_values,
-           "nrmse_pooled": info.nrmse_pooled, "nrmse_max_tensor": info.nrmse_max_tensor, "bank_id": b_id}
+           "nrmse_pooled": info.nrmse_pooled, "nrmse_max_tensor": info.nrmse_max_tensor, "bank_id": b_id,
+           "nrmse_weighted": info.nrmse_weighted, "kl_predicted": info.kl_predicted, "target_kl": target_kl}
     src_bits = 32 if cache.layout.dtype == "float32" else 16
     _emit(res, as_json, [f"{out}: {info.file_bytes} bytes, {info.bpv:.3f} bits/value "
                          f"({src_bits / info.bpv:.2f}x smaller than the {cache.layout.dtype} input)",
                          f"error: pooled NRMSE {info.nrmse_pooled:.6f}, worst tensor {info.nrmse_max_tensor:.6f} "
                          f"(eps {eps}, scope {eps_scope}"
-                         f"{f', tensor cap {tensor_cap:g} x eps' if eps_scope == 'pooled' and tensor_cap else ''})"
+                         f"{f', tensor cap {tensor_cap:g} x eps' if eps_scope in ('pooled', 'weighted') and tensor_cap else ''})"
+                         f"{f'; weighted NRMSE {info.nrmse_weighted:.6f}, predicted KL {info.kl_predicted:.2e}' if info.nrmse_weighted is not None else ''}"
                          f"{'; the exact tier decodes to the original bits' if lossless else ''}"])
 
 

@@ -218,3 +218,25 @@ def test_bank_registry_cli(tmp_path, cb, monkeypatch):
     assert KvzReader(blob).read(tokens=(0, 10))
     res = r.invoke(cli, ["bank", "show", "nope"])
     assert res.exit_code != 0 and "no bank file or registered bank 'nope'" in res.output
+
+
+def test_weighted_scope_puts_error_where_weights_are_small():
+    c = synthetic_cache(n_layers=3, T=400)
+    bank = fit_bank([synthetic_cache(n_layers=3, T=400, seed=5)], rank=None)
+    names = c.layout.tensor_names()
+    w = {n: (50.0 if n == "layers.1.key" else 1.0) for n in names}
+    eps = 0.03
+    info = compress(c, None, eps=eps, bank=bank, scope="weighted", weights=w, tensor_cap=0)
+    e = info.nrmse_tensor
+    assert e["layers.1.key"] < min(v for k, v in e.items() if k != "layers.1.key")
+    wsum = sum(w.values())
+    assert (sum(w[n] * e[n] ** 2 for n in names) / wsum) ** 0.5 <= eps * (1 + 1e-9)
+    assert abs(info.nrmse_weighted - (sum(w[n] * e[n] ** 2 for n in names) / wsum) ** 0.5) < 1e-9
+    r = KvzReader(info.data, bank=bank)
+    assert r.scope == "weighted" and r.header["codec"]["tensor_weights"][names.index("layers.1.key")] == 50.0
+    kl = compress(c, None, target_kl=1e-3, bank=bank, weights=w)
+    assert kl.scope == "weighted" and kl.kl_predicted <= 1e-3 * (1 + 1e-9)
+    with pytest.raises(KvzError, match="eps or target_kl"):
+        compress(c, None, eps=0.03, target_kl=1e-3, bank=bank, weights=w)
+    with pytest.raises(KvzError, match="need tensor weights"):
+        compress(c, None, eps=0.03, bank=bank, scope="weighted")
