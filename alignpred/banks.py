@@ -183,12 +183,14 @@ def add(path, name: str | None = None, force: bool = False) -> BankEntry:
     if dst.exists() and not force:
         from .io import read_bank_attrs
 
-        if read_bank_attrs(dst)[1] == bank.id:
-            return _entry(dst, "user")
+        same = _entry(dst, "user") if read_bank_attrs(dst)[1] == bank.id else None
+        if same is not None:
+            return same
         raise OutputExistsError(f"{dst} exists and holds another bank; choose another --name or pass --force")
     bank.save(dst)
     e = _entry(dst, "user")
-    assert e is not None
+    if e is None:
+        raise KvzError(f"{dst}: the bank written there does not read back")
     return e
 
 

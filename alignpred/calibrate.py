@@ -64,8 +64,8 @@ def default_sources(layout, depth: int = 1) -> dict[str, list[str]]:
 def block_samples(cache, block: str, max_tokens: int | None = None) -> np.ndarray:
     """The block's vectors ``[T, d]`` in float32, with RoPE undone for keys."""
     lay = cache.layout
-    kind, layer, head = block.split(".")
-    layer, head = int(layer), int(head)
+    kind, layer_s, head_s = block.split(".")
+    layer, head = int(layer_s), int(head_s)
     t = cache.tensors[f"layers.{layer}.{'key' if kind == 'K' else 'value'}"]
     if lay.batch_dim:
         t = t[0]

@@ -6,6 +6,8 @@ cast to the output dtype or copied out.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from . import entropy, refine
@@ -81,7 +83,7 @@ class Decoder(Chain):
             delta_rows, zr = self.delta_rows(deltas, zero, start, n_rows)
             emit = layer in wanted
 
-            dst = None
+            dst: Any = None
             if emit:
                 dst = out(ti) if out is not None else np.empty((H, n_rows, d), self.frame.out_dtype)
             for h in range(H):

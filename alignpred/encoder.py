@@ -84,6 +84,7 @@ class Encoder(Chain):
         self.scope = scope
         self.tensor_cap = float(tensor_cap) if scope in JOINT else 0.0
         n_t = 2 * layout.num_layers
+        self.weights: np.ndarray | None = None
         if scope == "weighted":
             w = np.asarray(weights if weights is not None else [], np.float64).reshape(-1)
             if w.shape != (n_t,) or not np.all(np.isfinite(w)) or not np.all(w > 0):
@@ -91,12 +92,10 @@ class Encoder(Chain):
             self.weights = w
         elif weights is not None:
             raise EncodeError("tensor weights are used by the weighted scope only")
-        else:
-            self.weights = None
         self.chunk_objects = max(1, int(chunk_objects))
         self.metas: list[TensorMeta] = []
         self._release = None
-        self._early = None
+        self._early: dict | None = None
         S = config.object_size
         self.n_obj = -(-layout.n_tokens // S)
         self.tensors = layout.tensors()

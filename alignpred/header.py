@@ -20,7 +20,7 @@ from .bank import Bank
 from .config import ARITHS, SINK_ORIGINS, CodecConfig
 from .encoder import SCOPES, TensorMeta
 from .errors import BankMismatchError, FormatError
-from .format.container import MAJOR
+from .format.container import FLAG_REFINE, MAJOR
 from .layout import CacheLayout
 
 
@@ -60,8 +60,6 @@ def build_header(*, layout, config, eps, scope, tensor_cap, coder, bank_info, me
              "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": entropy.PREC}}
     if tensor_cap:
         codec["tensor_cap"] = tensor_cap
-    if list(tiers) != ["coarse"]:
-        codec["tiers"] = list(tiers)
     if weights is not None:
         codec["tensor_weights"] = list(weights)
     if target_kl is not None:
@@ -74,16 +72,18 @@ def build_header(*, layout, config, eps, scope, tensor_cap, coder, bank_info, me
         return t
 
     return {
-        "format": "kvz", "version": [MAJOR, minor_for(layout, config, tensor_cap, tiers, scope)], "flags": 0,
+        "format": "kvz", "version": [MAJOR, minor_for(layout, config, tensor_cap, tiers, scope)],
+        "flags": FLAG_REFINE if "exact" in tiers else 0,
         "created_by": f"kvz {__version__}", "layout": layout.to_json(), "codec": codec, "bank": bank_info,
         "tensors": [tensor(m) for m in metas],
-        "source_metadata": {k: v for k, v in source_metadata.items() if k != "token_ids"},
+        # token ids are left out; the exact RoPE is in the layout (a decompressor writes it back)
+        "source_metadata": {k: v for k, v in source_metadata.items() if k not in ("token_ids", "rope")},
     }
 
 
 def tensor_metas(h: dict, layout) -> list:
     """The per-tensor modes/models (and refinement models) of a validated header."""
-    refined = "exact" in h["codec"].get("tiers", ["coarse"])
+    refined = bool(h.get("flags", 0) & FLAG_REFINE)
     C = layout.kv_heads * layout.head_dim
     tensors = h["tensors"]
     if not isinstance(tensors, list) or len(tensors) != 2 * layout.num_layers:
@@ -171,10 +171,8 @@ def check_header(h: dict) -> None:
         raise FormatError("codec.config.sink_tokens/sink_scale out of range")
     if cfg.get("sink_origin", "file") not in SINK_ORIGINS or cfg.get("arith", "float") not in ARITHS:
         raise FormatError("codec.config.sink_origin/arith unknown")
-    tiers = codec.get("tiers", ["coarse"])
-    if tiers not in (["coarse"], ["coarse", "exact"]):
-        raise FormatError(f"unknown tiers {tiers!r}")
-    if tiers == ["coarse", "exact"] and cfg.get("arith") != "exact":
+    refined = bool(h.get("flags", 0) & FLAG_REFINE)
+    if refined and cfg.get("arith") != "exact":
         raise FormatError("a refinement tier needs exact arithmetic")
     tw = codec.get("tensor_weights")
     if tw is not None and not (isinstance(tw, list) and all(type(x) in (int, float) and math.isfinite(x) and x > 0
@@ -196,7 +194,7 @@ def check_header(h: dict) -> None:
         raise FormatError("header field tensors must be a list")
     for t in h["tensors"]:
         _typed(t, {"name": "str", "modes": "str", "models": "str", "refine_models": "str"}, "tensors[]",
-               ("name", "modes", "models") + (("refine_models",) if tiers != ["coarse"] else ()))
+               ("name", "modes", "models") + (("refine_models",) if refined else ()))
         if not (_nonneg(t.get("sq_err", 0.0)) and _nonneg(t.get("sq_norm", 0.0))):
             raise FormatError(f"header tensor {t['name']!r} has invalid error statistics")
     if not isinstance(h.get("source_metadata", {}), dict):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import NoReturn
 
 from .errors import LayoutError, MetadataError
 from .rope import PAIRINGS, RopeSpec
@@ -39,7 +40,7 @@ MAX_METADATA_VALUE = 64 << 20
 MAX_POSITION = 1 << 40
 
 
-def _fail(field: str, problem: str, fix: str):
+def _fail(field: str, problem: str, fix: str) -> NoReturn:
     raise MetadataError(f"metadata {field!r}: {problem}; {fix}")
 
 

@@ -33,7 +33,7 @@ from .chain import OBJ_REFINE, OBJ_ZERO
 from .config import CodecConfig
 from .decoder import Decoder
 from .errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError
-from .format.container import ENTRY_SIZE, PREAMBLE_SIZE, crc32, parse_container
+from .format.container import ENTRY_SIZE, FLAG_REFINE, PREAMBLE_SIZE, crc32, parse_container
 from .header import _f32, _nonneg, check_bank, check_header, tensor_metas
 from .io import map_file, release_pages
 from .layout import CacheLayout, numpy_dtype
@@ -123,7 +123,7 @@ class KvzReader:
         except (FormatError, LayoutError) as e:
             raise FormatError(f"{self.path}: {e}") from None
         self._bank_arg = bank
-        self._decoder = None
+        self._decoder: Decoder | None = None
         self.session = session or DEFAULT_SESSION
         self.objects_decoded = 0
 
@@ -138,7 +138,7 @@ class KvzReader:
             self.eps = float(codec["eps"])
             self.scope = str(codec["eps_scope"])
             self.tensor_cap = float(codec.get("tensor_cap", 0.0))
-            self.tiers = tuple(codec.get("tiers", ["coarse"]))
+            self.tiers = ("coarse", "exact") if h.get("flags", 0) & FLAG_REFINE else ("coarse",)
             ent = codec["entropy"]
             self.bank_id = str(h["bank"]["id"])
         except (KeyError, TypeError, ValueError, LayoutError, KvzError) as e:
@@ -160,25 +160,25 @@ class KvzReader:
             raise FormatError(f"index holds {len(self.index)} objects, layout and tiers need "
                               f"{n_coarse * len(self.tiers)}")
         prev_end = PREAMBLE_SIZE
-        for k, e in enumerate(self.index):
+        for k, ent in enumerate(self.index):
             tier, kk = divmod(k, n_coarse)
             ti, j = divmod(kk, n_obj)
             want_n = min(S, lay.n_tokens - j * S)
-            if e.tensor != ti or e.token_start != j * S or e.n_tokens != want_n:
+            if ent.tensor != ti or ent.token_start != j * S or ent.n_tokens != want_n:
                 raise FormatError(f"index entry {k} does not follow the layout order")
             want_flag = OBJ_REFINE if tier else 0
-            if (e.flags & ~OBJ_ZERO) != want_flag or bool(e.flags & OBJ_ZERO) != (e.length == 0):
+            if (ent.flags & ~OBJ_ZERO) != want_flag or bool(ent.flags & OBJ_ZERO) != (ent.length == 0):
                 raise FormatError(f"index entry {k} has invalid flags")
             if tier:
-                if e.delta != 0.0 or e.sq_err != 0.0:
+                if ent.delta != 0.0 or ent.sq_err != 0.0:
                     raise FormatError(f"refinement entry {k} has a step or an error")
-            elif not _f32(e.delta) or (not (e.flags & OBJ_ZERO) and not e.delta > 0):
+            elif not _f32(ent.delta) or (not (ent.flags & OBJ_ZERO) and not ent.delta > 0):
                 raise FormatError(f"index entry {k} has an invalid quantisation step")
-            if not (_nonneg(e.sq_err) and _nonneg(e.sq_norm)):
+            if not (_nonneg(ent.sq_err) and _nonneg(ent.sq_norm)):
                 raise FormatError(f"index entry {k} has invalid error statistics")
-            if e.offset != prev_end:
+            if ent.offset != prev_end:
                 raise FormatError(f"index entry {k}: payloads must be contiguous")
-            prev_end = e.offset + e.length
+            prev_end = ent.offset + ent.length
         emb = self.header["bank"].get("embedded")
         end = prev_end + (int(emb["length"]) if emb else 0)
         if emb and int(emb["offset"]) != prev_end:
@@ -430,7 +430,7 @@ class KvzReader:
                     meta[key] = json.dumps([v[i] for i in keep]) if isinstance(v, list) else meta[key]
                 except (ValueError, TypeError, IndexError):
                     del meta[key]
-        if "rope" in meta and lay.rope is not None:
+        if lay.rope is not None:
             spec = lay.rope
             meta["rope"] = json.dumps({"tables": [t.to_json() for t in spec.tables],
                                        "layer_table": [spec.layer_table[i] for i in keep]})

@@ -270,15 +270,34 @@ class RopeTable:
         return cls(_default_inv_freq(theta, r), attention_scaling, pairing)
 
     def to_json(self) -> dict:
-        return {"inv_freq": list(self.inv_freq), "attention_scaling": self.attention_scaling,
+        """JSON form; ``inv_freq`` as base64 of little-endian float32 (a quarter of the
+        decimal text, and exactly the values)."""
+        import base64
+
+        b = np.asarray(self.inv_freq, "<f4").tobytes()
+        return {"inv_freq": base64.b64encode(b).decode(), "attention_scaling": self.attention_scaling,
                 "pairing": self.pairing}
 
     @classmethod
     def from_json(cls, d) -> "RopeTable":
-        if not isinstance(d, dict) or not isinstance(d.get("inv_freq"), list):
-            raise LayoutError("RoPE table must be an object with an inv_freq list")
-        if not all(type(v) in (int, float) for v in d["inv_freq"]):
+        """From :meth:`to_json`'s form; ``inv_freq`` may also be a list of numbers."""
+        import base64
+        import binascii
+
+        if not isinstance(d, dict) or not isinstance(d.get("inv_freq"), (list, str)):
+            raise LayoutError("RoPE table must be an object with inv_freq (base64 float32 or a list of numbers)")
+        inv = d["inv_freq"]
+        if isinstance(inv, str):
+            try:
+                raw = base64.b64decode(inv, validate=True)
+            except (binascii.Error, ValueError):
+                raise LayoutError("RoPE inv_freq is not base64") from None
+            if not raw or len(raw) % 4 or len(raw) > 1 << 20:
+                raise LayoutError("RoPE inv_freq must hold 1 to 262144 float32 values")
+            inv = [float(v) for v in np.frombuffer(raw, "<f4")]
+        elif not all(type(v) in (int, float) for v in inv):
             raise LayoutError("RoPE inv_freq must be numbers")
+        d = dict(d, inv_freq=inv)
         s = d.get("attention_scaling", 1.0)
         if type(s) not in (int, float):
             raise LayoutError("RoPE attention_scaling must be a number")

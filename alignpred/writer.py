@@ -31,7 +31,8 @@ from .chain import OBJ_REFINE, OBJ_ZERO
 from .decoder import Decoder
 from .encoder import SCOPES, TENSOR_CAP, EncodedObject, Encoder, TensorMeta
 from .errors import BankMismatchError, KvzError, LayoutError, OutputExistsError
-from .format.container import FOOTER_SIZE, PREAMBLE_SIZE, Footer, IndexEntry, crc32, dump_header, pack_preamble
+from .format.container import (FLAG_REFINE, FOOTER_SIZE, PREAMBLE_SIZE, Footer, IndexEntry, crc32, dump_header,
+                               pack_preamble)
 from .header import build_header, minor_for
 from .io import atomic_write, release_pages, same_file, spool_file
 
@@ -123,7 +124,9 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
 
 def compress_bytes(cache, **kw) -> bytes:
     """:func:`compress` to memory; returns the file's bytes."""
-    return compress(cache, None, **kw).data
+    data = compress(cache, None, **kw).data
+    assert data is not None
+    return data
 
 
 def _refinement(cache, enc, metas, obs, read_spool, spool, where_pos: int, chunk: int = 2):
@@ -236,7 +239,7 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
         raise KvzError("give the error bound eps (e.g. eps=0.03) or a quality target target_kl")
     bank = _resolve_bank(bank, lay)
     w = _tensor_weights(weights, bank, lay) if scope == "weighted" else None
-    if target_kl is not None:
+    if target_kl is not None and w is not None:
         eps = math.sqrt(target_kl / float(w.sum()))
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and 0 < eps < 1):
         raise KvzError(f"eps must be a number in (0, 1), got {eps!r}")
@@ -294,7 +297,7 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
             tiers.append("exact")
 
         def chunks():
-            yield pack_preamble(minor=minor_for(lay, config, cap, tiers, scope))
+            yield pack_preamble(FLAG_REFINE if lossless else 0, minor=minor_for(lay, config, cap, tiers, scope))
             off = PREAMBLE_SIZE
             for table, objs in ((where, obs),) + (((rwhere, robs),) if lossless else ()):
                 for k, ob in enumerate(objs):

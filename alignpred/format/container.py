@@ -28,8 +28,9 @@ from ..errors import ChecksumError, FormatError, TruncatedError, UnsupportedVers
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"KVZ-END\x00"
-MAJOR, MINOR = 1, 1  # MINOR: the newest minor version this reader decodes (and writers may write)
-KNOWN_FLAGS = 0
+MAJOR, MINOR = 1, 1  # MINOR: the newest minor version this writer writes (any 1.x is read, kvz.md §11.3)
+FLAG_REFINE = 1  # the file holds a refinement tier (format 1.1): index entries after the coarse ones
+KNOWN_FLAGS = FLAG_REFINE
 PREAMBLE = struct.Struct("<8sHHI")
 FOOTER = struct.Struct("<QQQQIIII8s")
 ENTRY = struct.Struct("<IIIIQQdddI4x")
@@ -59,9 +60,6 @@ def parse_preamble(buf) -> tuple[int, int, int]:
         raise FormatError("not a .kvz file (bad magic)")
     if major != MAJOR:
         raise UnsupportedVersionError(f"unsupported .kvz major version {major} (this reader reads {MAJOR}.x)")
-    if minor > MINOR:
-        raise UnsupportedVersionError(f".kvz version {major}.{minor} is newer than this reader ({MAJOR}.{MINOR}); "
-                                      "upgrade kvz")
     if flags & ~KNOWN_FLAGS:
         raise UnsupportedVersionError(f"unknown .kvz feature flags 0x{flags:08x}")
     return major, minor, flags
