@@ -32,7 +32,8 @@ class CodecConfig:
     ``position_offset``: a chunk from the middle of a prompt pays nothing) or ``file`` (the
     file's first position: kvz 0.1). ``arith``: the decoder's arithmetic — ``exact`` (format
     1.1: integer map products and platform-independent RoPE tables; the decoded bits are the
-    same on every machine and thread count) or ``float`` (format 1.0: BLAS products).
+    same on every machine and thread count; the default) or ``float`` (format 1.0: BLAS
+    products; the default with ``align``, whose rotations are float products).
     A header without a key means its kvz 0.1 value (sink off, file origin, float).
     """
 
@@ -47,7 +48,7 @@ class CodecConfig:
     sink_tokens: int = 1
     sink_scale: float = 0.0625
     sink_origin: str = "absolute"
-    arith: str = "float"
+    arith: str = ""  # "" = auto: "exact", or "float" with align
 
     def __post_init__(self):
         if not (isinstance(self.sink_tokens, int) and self.sink_tokens >= 0
@@ -55,8 +56,13 @@ class CodecConfig:
             raise KvzError("sink_tokens must be >= 0 and sink_scale a float32 in (0, 1]")
         if self.sink_origin not in SINK_ORIGINS:
             raise KvzError(f"sink_origin must be one of {', '.join(SINK_ORIGINS)}")
+        if not self.arith:
+            object.__setattr__(self, "arith", "float" if self.align else "exact")
         if self.arith not in ARITHS:
             raise KvzError(f"arith must be one of {', '.join(ARITHS)}")
+        if self.align and self.arith == "exact":
+            raise KvzError("align (GPA rotations) needs arith='float' (format 1.0): the rotation back to the native "
+                           "frame is a float product whose rounding varies between machines")
         if not (isinstance(self.object_size, int) and 2 <= self.object_size <= 1 << 16 and self.object_size % 2 == 0):
             raise KvzError("object_size must be an even integer in 2..65536")
 

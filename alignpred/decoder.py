@@ -13,6 +13,7 @@ import numpy as np
 from . import entropy, refine
 from .chain import OBJ_ZERO, Chain
 from .errors import FormatError
+from .fused import fused_post
 from .kernels import dequant_add
 from .layout import Block
 from .predictors import INTERP
@@ -92,6 +93,12 @@ class Decoder(Chain):
                 m = meta.modes[h]
                 base = plan.predict(m, recon, n_rows)
                 qh = q[h * d:(h + 1) * d]
+                if self.config.arith == "exact":
+                    rec = self._block_exact(base, qh, delta_rows, zr, m, blk, start, dst[h] if emit else None)
+                    if plan.block in self._last_use:
+                        recon[blk.name] = rec
+                    self.prune(recon, blk.name)
+                    continue
                 rec = dequant_add(base, qh, delta_rows)
                 interp = np.nonzero(m & INTERP)[0]
                 if len(interp):  # odd rows of interpolated channels depend on their even neighbours
@@ -111,6 +118,26 @@ class Decoder(Chain):
                 if refine_fetch is not None:
                     self._refine(dst, meta, refine_fetch, ti, j0, j1)
                 yield ti, meta.name, dst
+
+    def _block_exact(self, base, qh, delta_rows, zr, modes, blk, start: int, dst):
+        """One block of a format-1.1 file in one fused pass (:func:`alignpred.fused.fused_post`):
+        dequantise, interpolate, reconstruct (in place in ``base``), and — when ``dst`` is given
+        — mean, RoPE, clip and cast straight into ``dst [rows, d]``. Returns the reconstruction."""
+        plan = self.plans[blk.name]
+        fr = self.frame
+        n = base.shape[0]
+        rec = np.ascontiguousarray(base, np.float32)
+        native = dst if dst is not None and dst.dtype == fr.out_dtype else None
+        if native is None:  # not emitted, or the caller's buffer has another dtype: cast afterwards
+            native = np.empty((n, base.shape[1]), fr.out_dtype)
+        fused_post(rec, qh, delta_rows, (modes & INTERP) != 0, self.config.object_size, plan.mean,
+                   fr.rope_args(blk, start, n), fr.fmax, fr.out_dtype, rec=rec, native=native)
+        if zr.any():
+            rec[zr] = fr.zero_image(blk)
+            native[zr] = 0
+        if dst is not None and native is not dst:
+            dst[...] = native
+        return rec
 
     def _refine(self, dst, meta, fetch, ti: int, j0: int, j1: int) -> None:
         """Refine the coarse values of tensor ``ti`` in ``dst [H, rows, d]`` to the exact bits:

@@ -18,7 +18,7 @@ from .chain import OBJ_ZERO, Chain, obj_sums
 from .errors import EncodeError, NonFiniteError
 from .layout import Block, tensor_name
 from .predictors import BASE_MASK, INTERP, ZERO
-from .quantize import channel_entropy_bits, quantize_residual
+from .kernels import candidate_bits, quantize
 from .ratesearch import bracket_search
 
 SCOPES = ("object", "tensor", "pooled", "weighted")
@@ -135,7 +135,9 @@ class Encoder(Chain):
     def _code_head(self, plan, m, z, local, delta_rows, zero_rows, blk, base=None):
         if base is None:
             base = plan.predict(m, local, z.shape[0])
-        q, wh = quantize_residual(z - base, delta_rows, (m & INTERP) != 0, self.config.object_size)
+        q, wh, big = quantize(z, delta_rows, (m & INTERP) != 0, self.config.object_size, base=base)
+        if big >= 2.0 ** 30:
+            raise EncodeError("quantisation step too small for the residuals (eps too small?)")
         rec = base + wh
         if zero_rows.any():
             q[zero_rows] = 0
@@ -363,12 +365,9 @@ class Encoder(Chain):
         cands = plan.modes()
         bases = {bb: plan.base(bb, local) for bb in {m & BASE_MASK for m in cands} if bb != ZERO}
         bits = np.empty((len(cands), z.shape[1]))  # [n_modes, d]
-        for c0 in range(0, z.shape[1], 64):  # channels are independent: small temporaries
-            cs = slice(c0, c0 + 64)
-            for k, m in enumerate(cands):
-                w = z[:, cs] - bases[m & BASE_MASK][:, cs] if m & BASE_MASK != ZERO else z[:, cs]
-                q, _ = quantize_residual(w, delta_rows, np.full(w.shape[1], bool(m & INTERP)), cfg.object_size)
-                bits[k, cs] = channel_entropy_bits(q)
+        for k, m in enumerate(cands):  # one pass per candidate, no temporaries of the block's size
+            base = bases[m & BASE_MASK] if m & BASE_MASK != ZERO else None
+            bits[k] = candidate_bits(z, delta_rows, bool(m & INTERP), cfg.object_size, base=base)
         cands = np.array(cands, np.uint8)
         if cfg.channel_choice:
             return cands[np.argmin(bits, axis=0)], bases

@@ -39,6 +39,21 @@ class Frame:
         table = lay.rope_spec.table(blk.layer)
         return x if table is None else table.apply(x, pos, inverse=inverse)
 
+    def rope_args(self, blk, start: int, n: int):
+        """``(cos, sin, rotary_dim, pairing)`` as :func:`alignpred.fused.fused_post` takes them
+        (attention scaling multiplied in, float32, as :meth:`RopeTable.apply` does), or None when
+        the block's rows are not rotated. Exact arithmetic only."""
+        if blk.kind != "K" or not self.rope_on:
+            return None
+        table = self.layout.rope_spec.table(blk.layer)
+        if table is None:
+            return None
+        cos, sin = table.cos_sin(start + self.layout.position_offset, n)
+        s = np.float32(table.attention_scaling)
+        if s != 1:
+            cos, sin = cos * s, sin * s
+        return cos, sin, table.rotary_dim, table.pairing
+
     def to_frame(self, x: np.ndarray, blk, start: int) -> np.ndarray:
         """Native block rows ``[n, d]`` (file positions from ``start``) -> coding frame (float32)."""
         p = self.plans[blk.name]

@@ -252,6 +252,22 @@ def _raw_bits(words, last, bitpos, nb):
     return (((hi << _SHIFT32) | lo) >> np.uint64(bitpos & 31)) & ((_U64_1 << nb) - _U64_1)
 
 
+_U64_5 = np.uint64(5)
+_U64_31 = np.uint64(31)
+
+
+@njit(cache=True, nogil=True)
+def _raw_bits_u(words, last, bitpos, nb):
+    """:func:`_raw_bits` with unsigned ``last``/``bitpos`` (no negative-index wraparound code):
+    the same words are read (index ``max(last - j, 0)`` and ``max(last - j - 1, 0)``)."""
+    j = bitpos >> _U64_5
+    i0 = last - j if j <= last else _U64_0
+    i1 = i0 - _U64_1 if i0 >= _U64_1 else _U64_0
+    lo = np.uint64(words[i0])
+    hi = np.uint64(words[i1])
+    return (((hi << _SHIFT32) | lo) >> (bitpos & _U64_31)) & ((_U64_1 << nb) - _U64_1)
+
+
 @njit(cache=True)
 def _finish(x0, x1, x2, x3, pos, bitpos, words):
     W = words.shape[0]
@@ -274,7 +290,7 @@ def _value(base_t, r):
     return np.int32((ui >> 1) ^ (-(ui & 1)))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def decode_kernel(words, ids, coarse, cumhi, packed, base, nbits, out):
     """Decode a payload (uint32 words) into ``out`` (int32 [C, N]); returns an ``ERR_*`` code.
 
@@ -298,12 +314,22 @@ def decode_kernel(words, ids, coarse, cumhi, packed, base, nbits, out):
     bitpos = 0       # raw bits consumed (raw words stored backwards from the end)
     cs = _COARSE_SHIFT_U
     if N % 4 == 0:
-        # lock-step: 4 consecutive symbols of one channel are lanes 0..3
+        # lock-step: 4 consecutive symbols of one channel are lanes 0..3.  Positions are
+        # unsigned (no wraparound code), and a group of four tokens without raw bits (the common
+        # case) takes its values from a table; the words read and the values are those of the
+        # one-symbol-at-a-time definition below.
+        upos = np.uint64(pos)
+        ulast = np.uint64(last)
+        ubit = _U64_0
+        val0 = np.empty(base.shape[0], np.int32)
+        for t in range(base.shape[0]):
+            val0[t] = _value(base[t], _U64_0)
         for c in range(C):
             m = ids[c]
             tab = coarse[m]
             hi = cumhi[m]
             pk = packed[m]
+            orow = out[c]
             for g in range(N // 4):
                 s0 = x0 & _SLOT_MASK
                 s1 = x1 & _SLOT_MASK
@@ -330,37 +356,43 @@ def decode_kernel(words, ids, coarse, cumhi, packed, base, nbits, out):
                 x2 = (p2 >> _U16) * (x2 >> _PREC_U) + s2 - (p2 & _MASK16)
                 x3 = (p3 >> _U16) * (x3 >> _PREC_U) + s3 - (p3 & _MASK16)
                 # renormalise in lane order (branch-free; reads clamped, overrun checked at end)
-                w = np.uint64(words[min(pos, last)])
+                w = np.uint64(words[min(upos, ulast)])
                 r = x0 < _L
                 x0 = ((x0 << _SHIFT32) | w) if r else x0
-                pos += r
-                w = np.uint64(words[min(pos, last)])
+                upos += np.uint64(r)
+                w = np.uint64(words[min(upos, ulast)])
                 r = x1 < _L
                 x1 = ((x1 << _SHIFT32) | w) if r else x1
-                pos += r
-                w = np.uint64(words[min(pos, last)])
+                upos += np.uint64(r)
+                w = np.uint64(words[min(upos, ulast)])
                 r = x2 < _L
                 x2 = ((x2 << _SHIFT32) | w) if r else x2
-                pos += r
-                w = np.uint64(words[min(pos, last)])
+                upos += np.uint64(r)
+                w = np.uint64(words[min(upos, ulast)])
                 r = x3 < _L
                 x3 = ((x3 << _SHIFT32) | w) if r else x3
-                pos += r
+                upos += np.uint64(r)
                 # raw bits and output values
                 k = 4 * g
-                nb = nbits[t0]
-                out[c, k] = _value(base[t0], _raw_bits(words, last, bitpos, nb))
-                bitpos += np.int64(nb)
-                nb = nbits[t1]
-                out[c, k + 1] = _value(base[t1], _raw_bits(words, last, bitpos, nb))
-                bitpos += np.int64(nb)
-                nb = nbits[t2]
-                out[c, k + 2] = _value(base[t2], _raw_bits(words, last, bitpos, nb))
-                bitpos += np.int64(nb)
-                nb = nbits[t3]
-                out[c, k + 3] = _value(base[t3], _raw_bits(words, last, bitpos, nb))
-                bitpos += np.int64(nb)
-        return _finish(x0, x1, x2, x3, pos, bitpos, words)
+                nb0 = nbits[t0]
+                nb1 = nbits[t1]
+                nb2 = nbits[t2]
+                nb3 = nbits[t3]
+                if (nb0 | nb1 | nb2 | nb3) == _U64_0:
+                    orow[k] = val0[t0]
+                    orow[k + 1] = val0[t1]
+                    orow[k + 2] = val0[t2]
+                    orow[k + 3] = val0[t3]
+                else:
+                    orow[k] = _value(base[t0], _raw_bits_u(words, ulast, ubit, nb0))
+                    ubit += nb0
+                    orow[k + 1] = _value(base[t1], _raw_bits_u(words, ulast, ubit, nb1))
+                    ubit += nb1
+                    orow[k + 2] = _value(base[t2], _raw_bits_u(words, ulast, ubit, nb2))
+                    ubit += nb2
+                    orow[k + 3] = _value(base[t3], _raw_bits_u(words, ulast, ubit, nb3))
+                    ubit += nb3
+        return _finish(x0, x1, x2, x3, np.int64(upos), np.int64(ubit), words)
     # general N: one symbol at a time, states rotating so that x0 is lane i mod 4
     for c in range(C):
         m = ids[c]

@@ -16,11 +16,14 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
 import os
+import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -37,6 +40,7 @@ from .format.container import ENTRY_SIZE, FLAG_REFINE, PREAMBLE_SIZE, crc32, par
 from .header import _f32, _nonneg, check_bank, check_header, tensor_metas
 from .io import map_file, release_pages
 from .layout import CacheLayout, numpy_dtype
+from .threads import blas_single_thread, default_threads, stepwise
 
 
 class DecoderSession:
@@ -85,6 +89,31 @@ class DecoderSession:
 DEFAULT_SESSION = DecoderSession()
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """kvz's own decode threads (one pool per size, created on first use)."""
+    with _POOL_LOCK:
+        p = _POOLS.get(n)
+        if p is None:
+            p = _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvz-decode")
+        return p
+
+
+def _lockstep(pool, gens):
+    """Advance several decode generators together (one tensor each per step, in parallel)."""
+    sentinel = object()
+    while True:
+        results = list(pool.map(lambda g: next(g, sentinel), gens))
+        if any(r is sentinel for r in results):
+            if not all(r is sentinel for r in results):
+                raise FormatError("decode groups went out of step")
+            return
+        yield results
+
+
 def _buffer(source):
     """``(memoryview, name for messages)`` of a path, bytes-like object or mmap."""
     if isinstance(source, (str, os.PathLike)):
@@ -106,9 +135,11 @@ class KvzReader:
     ``source``: a path, ``bytes``/``bytearray``/``memoryview`` or ``mmap``. ``bank``: a
     :class:`Bank`, a path, a registry id or name, or None (the embedded bank, or the registry's
     bank with the file's id). ``session``: a :class:`DecoderSession` (default: a shared one).
+    ``threads``: decode object ranges in parallel on this many threads (default: the cores
+    this process may use); the decoded bits do not depend on it.
     """
 
-    def __init__(self, source, bank=None, session: DecoderSession | None = None):
+    def __init__(self, source, bank=None, session: DecoderSession | None = None, threads: int | None = None):
         self._buf, self.path = _buffer(source)
         try:
             parsed = parse_container(self._buf)
@@ -125,7 +156,9 @@ class KvzReader:
         self._bank_arg = bank
         self._decoder: Decoder | None = None
         self.session = session or DEFAULT_SESSION
+        self.threads = default_threads() if threads is None else max(1, int(threads))
         self.objects_decoded = 0
+        self._count_lock = threading.Lock()
 
     # -- validation ------------------------------------------------------------------------------
     def _validate(self) -> None:
@@ -233,7 +266,8 @@ class KvzReader:
         if crc32(payload) != e.crc:
             raise ChecksumError(f"{self.path}: checksum mismatch in {self.metas[ti].name} tokens "
                                 f"{e.token_start}..{e.token_start + e.n_tokens}{' (refinement)' if tier else ''}")
-        self.objects_decoded += 1
+        with self._count_lock:
+            self.objects_decoded += 1
         return e, payload
 
     def _refine_fetch(self, ti: int, j: int):
@@ -306,31 +340,55 @@ class KvzReader:
         return arr
 
     def _decode(self, a: int, b: int, sel: list, out=None, tier=None):
-        """Yield ``(ti, name, array [kv_heads, b-a, d])`` for the tensors of layers ``sel``."""
+        """Yield ``(ti, name, array [kv_heads, b-a, d])`` for the tensors of layers ``sel``.
+
+        With ``threads > 1`` the objects of the range are split into contiguous groups decoded
+        in parallel (objects at different positions are independent; the kernels release the
+        GIL); each group writes its rows of the same output arrays, tensor by tensor in step.
+        The decoded bits do not depend on the split (kvz.md §9)."""
+        lay = self.layout
         S = self.config.object_size
         j0, j1 = a // S, -(-b // S)
+        n_rows = min(lay.n_tokens, j1 * S) - j0 * S
         cut = slice(a - j0 * S, b - j0 * S)
-        full = cut.start == 0 and cut.stop == min(self.layout.n_tokens, j1 * S) - j0 * S
+        direct = out is not None and cut.start == 0 and cut.stop == n_rows  # straight into the caller's buffer
         dec = self.decoder
         rf = self._refine_fetch if self._tier(tier) else None
-        try:
-            if out is not None and full:  # decode straight into the caller's buffer
-                views = {}
+        k = max(1, min(self.threads, j1 - j0))
+        edges = [j0 + (j1 - j0) * i // k for i in range(k + 1)]
+        groups = [(edges[i], edges[i + 1]) for i in range(k) if edges[i + 1] > edges[i]]
+        dests: dict = {}
+        lock = threading.Lock()
 
-                def target(ti):
+        def dest(ti):
+            with lock:
+                if ti not in dests:
                     name = self.metas[ti].name
-                    views[ti] = self._out_view(out, ti, name, b - a)
-                    return views[ti]
+                    dests[ti] = self._out_view(out, ti, name, b - a) if direct else \
+                        np.empty((lay.kv_heads, n_rows, lay.head_dim), numpy_dtype(lay.dtype))
+                return dests[ti]
 
-                for ti, name, arr in dec.decode_range(self.metas, self._fetch, j0, j1, sel, out=target, refine_fetch=rf):
-                    yield ti, name, arr
-                return
-            for ti, name, arr in dec.decode_range(self.metas, self._fetch, j0, j1, sel, refine_fetch=rf):
-                arr = arr[:, cut]
-                if out is not None:
-                    dst = self._out_view(out, ti, name, b - a)
-                    dst[...] = arr
-                    arr = dst
+        def target(g0, g1):
+            return lambda ti: dest(ti)[:, (g0 - j0) * S:min(lay.n_tokens, g1 * S) - j0 * S]
+
+        gens = [dec.decode_range(self.metas, self._fetch, g0, g1, sel, out=target(g0, g1), refine_fetch=rf)
+                for g0, g1 in groups]
+        blas = blas_single_thread if self.config.arith == "float" else contextlib.nullcontext
+        try:
+            if len(gens) == 1:
+                steps = ([r] for r in gens[0])
+            else:
+                pool = _pool(len(gens))
+                steps = _lockstep(pool, gens)
+            for results in stepwise(blas, steps):
+                ti, name, _ = results[0]
+                arr = dests.pop(ti)
+                if not direct:
+                    arr = arr[:, cut]
+                    if out is not None:
+                        dst = self._out_view(out, ti, name, b - a)
+                        dst[...] = arr
+                        arr = dst
                 yield ti, name, arr
         except FormatError as e:
             if self.path in str(e):

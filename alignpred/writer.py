@@ -35,6 +35,7 @@ from .format.container import (FLAG_REFINE, FOOTER_SIZE, PREAMBLE_SIZE, Footer, 
                                pack_preamble)
 from .header import build_header, minor_for
 from .io import atomic_write, release_pages, same_file, spool_file
+from .threads import blas_single_thread, stepwise
 
 CODER = "rans4"  # default entropy coder; "constriction" is the reference alternative
 
@@ -260,7 +261,8 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
         obs: list = [None] * len(where)
         pos = 0
         try:
-            for ob in enc.encode(cache.tensors, progress, release=lambda view: release_pages(buf)):
+            encoded = enc.encode(cache.tensors, progress, release=lambda view: release_pages(buf))
+            for ob in stepwise(blas_single_thread, encoded):
                 k = ob.tensor * n_obj + ob.token_start // config.object_size
                 spool.write(ob.payload)
                 where[k] = pos, len(ob.payload)

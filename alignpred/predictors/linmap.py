@@ -39,6 +39,14 @@ class LinearMap(Predictor):
                     u = u @ p.rot
                 else:
                     vt = vt @ p.rot
+            if config.arith == "exact":  # integer products, the same bits everywhere (kvz.md §8.4.1)
+                from ..intmap import IntMap
+
+                first = IntMap(u, len(srcs))
+                second = None if vt is None else IntMap(vt, 1)
+                p.data[self.name] = (tuple(srcs), first, second)
+                p.sources.update(srcs)
+                continue
             # A full map straight from the bank stays in its stored dtype (float16 halves the
             # memory of the bundled bank's maps); ``base`` widens it to float32, exactly.
             keep = vt is None and not config.align and u.dtype in (np.float16, np.float32) and u.flags.c_contiguous
@@ -49,6 +57,9 @@ class LinearMap(Predictor):
 
     def base(self, plan, recon):
         srcs, u, vt = plan.data[self.name]
+        if not isinstance(u, np.ndarray):  # exact: rows are independent (per-row scales), one call
+            y = u.predict([recon[s] for s in srcs])
+            return y if vt is None else vt.predict([y])
         S = plan.object_size
         d_src = u.shape[0] // len(srcs)
         xs = [recon[s] for s in srcs]

@@ -1,6 +1,10 @@
-"""Regenerate the .kvz golden vectors (deterministic; run from anywhere)::
+"""Regenerate the .kvz golden vectors of format 1.1 (deterministic; run from anywhere)::
 
     python format_spec/vectors/make_vectors.py
+
+The vectors of format 1.0 (written by kvz 0.1: float arithmetic) are frozen: they are kept as
+they are, with their manifest entries, and every later version must still decode them; this
+script only (re)makes the 1.1 vectors (exact arithmetic: their decode is bit-exact everywhere).
 
 For each vector ``NAME`` it writes, next to this script:
 
@@ -80,7 +84,64 @@ def _real():
     return t, meta
 
 
+FROZEN = ("synth-tensor-extbank", "synth-object-embedded-align", "synth-pooled-f32-batch", "synth-constriction-coder",
+          "gemma3-270m-3l-300t")  # format 1.0 vectors made by kvz 0.1; never regenerated
+
+
+def _rope_meta(n_layers, d):
+    """A format-1.1 RoPE spec: interleaved pairs, partial rotary (d - 4 channels), YaRN-like
+    attention scaling, one table on sliding layers and another on the last layer."""
+    from alignpred.rope import RopeSpec, RopeTable
+
+    a = RopeTable.from_theta(1e4, d, rotary_dim=d - 4, pairing="interleaved", attention_scaling=1.25)
+    b = RopeTable.from_theta(1e6, d, rotary_dim=d - 4, pairing="interleaved", attention_scaling=1.25)
+    spec = RopeSpec((a, b), tuple([0] * (n_layers - 1) + [1]))
+    return {"rope": json.dumps(spec.to_json()), "keys_roped": "true"}
+
+
+def _real_v11():
+    t, meta = _real()
+    meta = dict(meta, source="english-prose.safetensors, layers 0-2, tokens 0-299 (format 1.1 vector)")
+    return t, meta
+
+
 def vectors():
+    """The format-1.1 vectors."""
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+
+    def no_theta(t_meta):
+        t, meta = t_meta
+        meta = {k: v for k, v in meta.items() if k not in ("rope_theta", "rope_pairing")}
+        return t, meta
+
+    return [
+        ("v11-synth-tensor-extbank",
+         lambda: _synthetic(2, 2, 300, 16, np.float16, 11),
+         dict(eps=0.05, scope="tensor", config=CodecConfig(), embed_bank=False),
+         dict(rank=4, rotations=False)),
+        ("v11-synth-lossless-bf16-rope",
+         lambda: no_theta(_synthetic(3, 1, 300, 16, bf16, 12,
+                                     dict(_rope_meta(3, 16), position_offset="5",
+                                          layer_types=json.dumps(["sliding_attention"] * 2 + ["full_attention"])),
+                                     zero=("layers.1.value", 256, 300))),
+         dict(eps=0.08, scope="object", config=CodecConfig(blend=True), embed_bank=True, lossless=True),
+         dict(rank=None, rotations=False)),
+        ("v11-synth-weighted-f32-batch",
+         lambda: _synthetic(2, 1, 100, 8, np.float32, 13, batch=True),
+         dict(eps=0.02, scope="weighted", config=CodecConfig(object_size=32), embed_bank=True, tensor_cap=2.0,
+              weights={"layers.0.key": 4.0, "layers.0.value": 1.0, "layers.1.key": 2.0, "layers.1.value": 0.5}),
+         dict(rank=2, rotations=False)),
+        ("v11-gemma3-270m-3l-300t",
+         _real_v11,
+         dict(eps=0.03, scope="tensor", config=CodecConfig(), embed_bank=True),
+         dict(rank=8, rotations=False)),
+    ]
+
+
+def vectors_10():
+    """The format-1.0 vectors as kvz 0.1 made them (kept for reference; not regenerated)."""
     import ml_dtypes
 
     bf16 = ml_dtypes.bfloat16
@@ -180,6 +241,12 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
+def from_bits_dtype(bits: np.ndarray, dtype: str) -> np.ndarray:
+    from alignpred.layout import numpy_dtype
+
+    return bits.view(numpy_dtype(dtype))
+
+
 def make(name, factory, ckw, bkw, out=HERE) -> dict:
     tensors, meta = factory()
     p_in = os.path.join(out, f"{name}.input.safetensors")
@@ -194,14 +261,29 @@ def make(name, factory, ckw, bkw, out=HERE) -> dict:
         bank = Bank.load(p_bank)
         files["bank"] = os.path.basename(p_bank)
     info = compress(cache, p_kvz, bank=bank, **ckw)
-    r = KvzReader(p_kvz, bank=None if ckw["embed_bank"] else bank)
+    r = KvzReader(p_kvz, bank=None if ckw["embed_bank"] else bank, threads=1)
     dec = r.read()
     arrays = {f"dec.{k}": _bits(np.ascontiguousarray(v)) for k, v in dec.items()}
+    if ckw.get("lossless"):
+        arrays.update({f"coarse.{k}": _bits(np.ascontiguousarray(v)) for k, v in r.read(tier="coarse").items()})
     buf = open(p_kvz, "rb").read()
     n_obj = r.n_objects_per_tensor
+    n_coarse = len(r.metas) * n_obj
+    C = r.layout.kv_heads * r.layout.head_dim
     for k, e in enumerate(r.index):
-        ti, j = divmod(k, n_obj)
-        C = r.layout.kv_heads * r.layout.head_dim
+        tier, kk = divmod(k, n_coarse)
+        ti, j = divmod(kk, n_obj)
+        if tier:  # refinement symbols: per-symbol models from the coarse decode's exponents
+            from alignpred.refine import contexts
+
+            coarse = from_bits_dtype(arrays[f"coarse.{r.metas[ti].name}"], r.layout.dtype)
+            blk = np.asarray(coarse[0] if r.layout.batch_dim else coarse)[:, j * r.config.object_size:
+                                                                          j * r.config.object_size + e.n_tokens]
+            ids = r.metas[ti].refine_models[contexts(blk.transpose(0, 2, 1)).reshape(-1)]
+            q = (entropy.decode_ctx(buf[e.offset:e.offset + e.length], ids).reshape(C, e.n_tokens) if e.length
+                 else np.zeros((C, e.n_tokens), np.int32))
+            arrays[f"r.{ti}.{j}"] = q
+            continue
         if e.length:
             q = entropy.decode(buf[e.offset:e.offset + e.length], r.metas[ti].models, (C, e.n_tokens),
                                coder=ckw.get("coder", "rans4"))
@@ -219,15 +301,19 @@ def make(name, factory, ckw, bkw, out=HERE) -> dict:
         "name": name,
         "files": files,
         "sha256": {k: _sha(os.path.join(out, v)) for k, v in files.items()},
+        "format": ".".join(map(str, r.version)),
         "compress": {"eps": ckw["eps"], "eps_scope": ckw["scope"], "config": ckw["config"].to_json(),
-                     "embed_bank": ckw["embed_bank"], "coder": ckw.get("coder", "rans4")},
+                     "embed_bank": ckw["embed_bank"], "coder": ckw.get("coder", "rans4"),
+                     "lossless": bool(ckw.get("lossless")), "tensor_cap": ckw.get("tensor_cap", 3.0),
+                     "weights": ckw.get("weights")},
         "bank_fit": {k: v for k, v in bkw.items()},
         "bank_id": bank.id,
         "dtype": r.layout.dtype,
         "facts": {"version": list(ft), "file_bytes": len(buf), "header_offset": parsed.footer.header_offset,
                   "header_length": parsed.footer.header_length, "index_offset": parsed.footer.index_offset,
                   "n_entries": len(parsed.index), "objects_per_tensor": n_obj,
-                  "zero_objects": sum(1 for e in parsed.index if e.flags & 1),
+                  "zero_objects": sum(1 for e in parsed.index if e.flags & 1 and not e.flags & 2),
+                  "refine_objects": sum(1 for e in parsed.index if e.flags & 2),
                   "bank_embedded": bool(ckw["embed_bank"]), "bpv": info.bpv,
                   "nrmse_pooled": info.nrmse_pooled, "nrmse_max_tensor": info.nrmse_max_tensor},
     }
@@ -238,9 +324,9 @@ def main(argv=None) -> int:
     old = {}
     if os.path.exists(manifest_path):
         old = {v["name"]: v for v in json.load(open(manifest_path))["vectors"]}
-    out = []
+    out = [dict(old[n], format="1.0") for n in FROZEN if n in old]
     for name, factory, ckw, bkw in vectors():
-        if factory is _real and not os.path.exists(REAL_SAMPLE):
+        if factory in (_real, _real_v11) and not os.path.exists(REAL_SAMPLE):
             print(f"{name}: {REAL_SAMPLE} missing; keeping the old files", file=sys.stderr)
             if name in old:
                 out.append(old[name])

@@ -1,0 +1,573 @@
+"""Exact integer products for the linear-map predictor: the same bits on every machine.
+
+The map prediction of a block is ``pred[t, j] = sum_s sum_k src_s[t, k] * W_s[k, j]`` over its
+2-3 source blocks.  A float32 BLAS product rounds differently with the thread count, the CPU and
+the library version; here every source row and every weight is rounded to a small integer times
+a power of two, the products are summed *exactly* in integers (any order, any vector width: the
+same integer), and only the final combination of the sources is rounded, in a fixed order:
+
+    pred[t, j] = float32( sum_s float64(acc_s[t, j]) * 2**(x_exp_s[t] + w_exp_s[j]) )
+    acc_s[t, j] = sum_k xq_s[t, k] * wq_s[j, k]          (exact integer)
+
+summed over ``s`` in source order in float64, starting from +0.0.  Every step is an IEEE
+operation with one defined result (integer sums, exact int->float64 conversions, products by
+powers of two, float64 additions, one float64->float32 rounding), so the result is identical on
+SSE2-only and AVX-512 machines, with any thread count and in any process.
+
+**Quantisation.**  ``x`` rows: one power-of-two scale per row, from the row's max ``|x|``
+(exactly, via frexp): ``|xq| <= XQ_MAX = 2**(BX-1) - 1``.  Weights: one power-of-two scale per
+output column and source, ``|wq| <= WQ_MAX = 2**(BW-1) - 1``, round half to even.  Before that,
+each source channel ``k`` is *equalised* by an exact power of two, ``x'_k = x_k * 2**-shift_k``,
+``W'_kj = W_kj * 2**shift_k`` (so ``x' W' = x W``): ``shift_k`` brings the largest weight of every
+row of ``W_s`` to the same octave (data independent, from the weights only).  The maps of a
+calibrated bank put small weights on the channels with outliers (massive key channels), so this
+moves those channels' dynamic range out of the per-row ``x`` scale.  On the Gemma 3 270M
+samples (210 map objects) the integer rounding noise is, relative to the quantisation noise
+``Delta/sqrt(12)`` at eps = 0.0267: median 2.1 %, max 3.8 % (without the equalisation: 4.1 %,
+11 %; a numpy study with one x scale per call instead of per row gave ~3x more); float32 BLAS
+is at 1e-5.  See ``benchmarks/kernels_bench.py``.
+
+**Overflow (proof).**  ``BX = 14``, ``BW = 13``: one product is at most
+``XQ_MAX * WQ_MAX = 8191 * 4095 = 33,542,145``.  Every partial sum of products, in any order,
+is bounded by the sum of their absolute values.  (a) In general the kernel sums at most
+``K_CHUNK = 64`` products in int32 before it widens the partial sum to float64, where sums of
+chunk sums are exact (``|sum| < 2**31 * ceil(d_in / 64) < 2**53`` for any ``d_in < 2**27``):
+``64 * 33,542,145 = 2,146,697,280 < 2**31 - 1 = 2,147,483,647``.  (b) For an 8-row block whose
+rows all have ``sum_k |xq[t, k]| <= L1_ONE_CHUNK = floor((2**31 - 1) / 4095) = 524,416``
+(checked at run time; ~98 % of the blocks of the Gemma samples), every partial sum of a whole
+source is at most ``524,416 * 4095 = 2,147,483,520 < 2**31``, so one int32 accumulator per
+source is exact.  Both paths give the same integer, so the result never depends on which ran.
+``vpdpwssd``/``pmaddwd`` pair sums are at most ``2 * 33,542,145``.  Any ``d_in`` works.
+(A plain int32 sum over d_in = 512 without any check would need ``BX = BW = 12``:
+``2047**2 * 512 = 2,145,387,008``; about 3x the rounding noise of 14/13 on the samples.)
+
+**Kernel.**  An outer-product micro-kernel written in LLVM vector IR (numba ``@intrinsic``): an
+``R x C`` block of ``<16 x i32>`` accumulators, the weights packed ``[d_in/2, d_out, 2]`` so one
+load holds 16 columns x 2 channels, a row's channel pair broadcast to all lanes; ``sext``, ``mul``
+and an even/odd ``add`` form the pattern LLVM lowers to ``vpdpwssd`` (AVX512-VNNI),
+``vpmaddwd`` (AVX2/AVX-512) or ``pmaddwd`` (SSE2).  The LLVM IR is portable: numba compiles it
+for the host CPU (its on-disk cache is keyed by CPU name and features).
+
+>>> import numpy as np
+>>> rng = np.random.default_rng(0)
+>>> W = rng.standard_normal((64, 32)).astype(np.float32)
+>>> x = [rng.standard_normal((5, 32)).astype(np.float32) for _ in range(2)]
+>>> m = IntMap(W, n_src=2)
+>>> y = m.predict(x)
+>>> ref = x[0].astype(np.float64) @ W[:32] + x[1].astype(np.float64) @ W[32:]
+>>> bool(np.abs(y - ref).max() < 1e-3 * np.abs(ref).max())
+True
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+BX = 14                          # bits (with sign) of a quantised x value
+BW = 13                          # bits (with sign) of a quantised weight
+XQ_MAX = (1 << (BX - 1)) - 1     # 8191
+WQ_MAX = (1 << (BW - 1)) - 1     # 4095
+K_CHUNK = 64                     # products summed in int32 before widening (see the proof above)
+SHIFT_MAX = 24                   # |equalisation exponent| bound
+L1_ONE_CHUNK = (2 ** 31 - 1) // WQ_MAX   # rows with sum |xq| <= this: no chunks needed
+assert K_CHUNK * XQ_MAX * WQ_MAX < 2 ** 31 and K_CHUNK % 2 == 0
+
+# Register blocking of the micro-kernel: R rows x C vectors of 16 output columns.
+R_BLK = 8
+C_BLK = 2
+COL_BLK = 16 * C_BLK
+KP_CHUNK = K_CHUNK // 2          # channel pairs per int32 chunk
+
+# epilogue flags (see _make_block)
+_FIRST, _LAST, _YFIRST, _FINAL = 1, 2, 4, 8
+
+
+# --------------------------------------------------------------------------------------------
+# weights
+
+def channel_shifts(W: np.ndarray, n_src: int = 1) -> np.ndarray:
+    """Equalisation exponents ``int32 [n_src, d_in]`` of the rows of ``W [n_src*d_in, d_out]``:
+    per source, ``shift_k = median_k(E_k) - E_k`` with ``E_k`` the frexp exponent of the row's
+    largest ``|W|`` (rows of zeros: 0), clipped to ``+-SHIFT_MAX``.  Exact integer arithmetic.
+
+    >>> channel_shifts(np.array([[1.0], [0.01], [3.0]], np.float32)).tolist()
+    [[0, 7, -1]]
+    """
+    W = np.asarray(W)
+    d_in = W.shape[0] // n_src
+    if d_in * n_src != W.shape[0]:
+        raise ValueError(f"W has {W.shape[0]} rows, not a multiple of n_src={n_src}")
+    out = np.zeros((n_src, d_in), np.int32)
+    for s in range(n_src):
+        rm = np.abs(W[s * d_in:(s + 1) * d_in].astype(np.float64)).max(axis=1, initial=0.0)
+        e = np.frexp(rm)[1].astype(np.int64)
+        nz = (rm > 0) & np.isfinite(rm)
+        if nz.any():
+            srt = np.sort(e[nz])
+            med = int(srt[(len(srt) - 1) // 2])
+            out[s] = np.where(nz, np.clip(med - e, -SHIFT_MAX, SHIFT_MAX), 0)
+    return out
+
+
+def quantize_weights(W: np.ndarray, n_src: int = 1, shift: np.ndarray | None = None):
+    """Quantise a map ``W [n_src*d_in, d_out]`` (float16/float32/float64, sources stacked along
+    rows) per source and output column.
+
+    Returns ``(wq int16 [n_src, d_out, d_in], w_exp int32 [n_src, d_out], shift int32
+    [n_src, d_in])`` with ``W[s*d_in + k, j] ~= wq[s, j, k] * 2.0**(w_exp[s, j] - shift[s, k])``,
+    ``|wq| <= WQ_MAX``, round half to even (``shift=None``: :func:`channel_shifts`; pass zeros
+    for no equalisation).  Only exact operations (scaling by powers of two, rint): the same
+    integers on every machine.
+
+    >>> wq, we, sh = quantize_weights(np.array([[1.0, 0.5], [-0.25, 3.0]], np.float32))
+    >>> wq.tolist(), we.tolist(), sh.tolist()
+    ([[[2048, -256], [1024, 3072]]], [[-11, -11]], [[0, -1]])
+    """
+    W = np.asarray(W)
+    if W.ndim != 2 or W.dtype not in (np.float16, np.float32, np.float64):
+        raise TypeError("W must be a 2-D float16/float32/float64 array")
+    d_in = W.shape[0] // n_src
+    d_out = W.shape[1]
+    shift = channel_shifts(W, n_src) if shift is None else np.asarray(shift, np.int32).reshape(n_src, d_in)
+    wq = np.zeros((n_src, d_out, d_in), np.int16)
+    w_exp = np.zeros((n_src, d_out), np.int32)
+    for s in range(n_src):
+        w = np.ldexp(W[s * d_in:(s + 1) * d_in].astype(np.float64), shift[s][:, None].astype(np.int32))
+        w = np.where(np.isfinite(w), w, 0.0)
+        cm = np.abs(w).max(axis=0, initial=0.0)
+        e = np.frexp(cm)[1].astype(np.int32) - np.int32(BW - 1)      # |w| * 2**-e < 2**(BW-1)
+        q = np.rint(np.ldexp(w, -e[None, :]))
+        q = np.clip(q, -WQ_MAX, WQ_MAX)
+        wq[s] = q.T.astype(np.int16)
+        w_exp[s] = e
+    return wq, w_exp, shift
+
+
+def pack_weights(wq: np.ndarray) -> np.ndarray:
+    """``wq int16 [n_src, d_out, d_in]`` -> the kernel layout ``int16 [n_src, ceil(d_in/2),
+    d_out_pad, 2]`` (channel pairs interleaved, columns padded with zeros to a multiple of 16)."""
+    S, m, K = wq.shape
+    kp = (K + 1) // 2
+    mp = -(-m // 16) * 16
+    wp = np.zeros((S, kp, mp, 2), np.int16)
+    full = np.zeros((S, 2 * kp, mp), np.int16)
+    full[:, :K, :m] = wq.transpose(0, 2, 1)
+    wp[:] = full.reshape(S, kp, 2, mp).transpose(0, 1, 3, 2)
+    return wp
+
+
+# --------------------------------------------------------------------------------------------
+# rows
+
+@intrinsic
+def _f64_bits(typingctx, v):
+    """The bits of a float64 as int64 (a bitcast)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+    return types.int64(types.float64), codegen
+
+
+@intrinsic
+def _i64_as_f64(typingctx, v):
+    """An int64 bit pattern as float64 (a bitcast)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return types.float64(types.int64), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pow2(e):
+    """2.0**e exactly (float64), without a libm call for normal results."""
+    if -1022 <= e <= 1023:
+        return _i64_as_f64(np.int64(e + 1023) << 52)
+    return math.ldexp(1.0, e)
+
+
+@intrinsic
+def _i32_as_f32(typingctx, v):
+    """An int32 bit pattern as float32 (a bitcast)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+_MAGIC32 = np.float32(1.5 * 2 ** 23)     # (v + M) - M: v rounded half to even, |v| < 2**22
+_MAGIC64 = 1.5 * 2.0 ** 52
+_XQ_MAX_F = float(XQ_MAX)
+_NONFINITE = np.int64(0x7FF0000000000000)
+
+
+@njit(cache=True, nogil=True)
+def _quantize_rows(x, pscale, p32, smin, smax, xq, x_exp):
+    """x float32 [n, d]; pscale float64 [d] = 2**-shift, p32 the same in float32; smin/smax:
+    the shift range; xq int16 [n, >= d] (columns beyond d zeroed); x_exp int32 [n]."""
+    n, d = x.shape
+    dp = xq.shape[1]
+    for t in range(n):
+        xr = x[t]
+        qr = xq[t]
+        # max |x'| exactly (float64 products by powers of two), as bits: for non-negative
+        # doubles the integer order is the numeric order; inf/nan have the largest patterns.
+        mb = np.int64(0)
+        for k in range(d):
+            b = _f64_bits(abs(np.float64(xr[k])) * pscale[k])
+            mb = b if b > mb else mb
+        finite = mb < _NONFINITE
+        e = 0
+        if finite and mb > 0:
+            e = np.int64(mb >> 52) - 1022     # frexp exponent: x' max < 2**e (x' >= 2**-173: normal)
+        e -= BX - 1
+        x_exp[t] = e
+        # scale c = 2**-e; float32 path when every 2**(-shift_k - e) is a normal float32 (then
+        # x * (p32 * c) is exact up to values that round to 0, and |v| <= 2**(BX-1): no clamp
+        # before the conversion is needed), else float64 with clamps.
+        if finite and -126 <= -e <= 127 and -smax - e >= -126 and -smin - e <= 127:
+            c = _i32_as_f32(np.int32((127 - e) << 23))
+            for k in range(d):
+                v = (xr[k] * (p32[k] * c) + _MAGIC32) - _MAGIC32
+                i = np.int32(v)
+                i = min(i, np.int32(XQ_MAX))
+                i = max(i, np.int32(-XQ_MAX))
+                qr[k] = np.int16(i)
+        else:
+            c64 = math.ldexp(1.0, -e)
+            for k in range(d):
+                w = np.float64(xr[k]) * pscale[k] * c64
+                w = w if w < _XQ_MAX_F else _XQ_MAX_F      # nan -> XQ_MAX: garbage, but defined
+                w = w if w > -_XQ_MAX_F else -_XQ_MAX_F
+                w = (w + _MAGIC64) - _MAGIC64
+                qr[k] = np.int16(np.int32(w))
+        for k in range(d, dp):
+            qr[k] = 0
+
+
+def quantize_rows(x: np.ndarray, shift: np.ndarray | None = None, out: np.ndarray | None = None):
+    """Quantise rows ``x float32 [n, d]`` (one source block): ``x[t, k] * 2**-shift[k] ~=
+    xq[t, k] * 2**x_exp[t]``, one power-of-two scale per row from the row's max (exactly, via
+    frexp), ``|xq| <= XQ_MAX``, round half to even.  Returns ``(xq int16 [n, d_pad], x_exp int32
+    [n])``, ``d_pad`` = ``d`` rounded up to even (a zero column).  All-zero rows give zeros;
+    rows with inf/nan give clipped garbage (never undefined behaviour).  ``out``: an int16
+    ``[n, d_pad]`` C-contiguous buffer to write into.
+
+    >>> xq, xe = quantize_rows(np.array([[1.0, -0.5, 0.0], [0.0, 0.0, 0.0]], np.float32))
+    >>> xq.tolist(), xe.tolist()
+    ([[4096, -2048, 0, 0], [0, 0, 0, 0]], [-12, -13])
+    """
+    x = np.ascontiguousarray(x, np.float32)
+    n, d = x.shape
+    dp = d + (d & 1)
+    sh = np.zeros(d, np.int32) if shift is None else np.asarray(shift, np.int32).reshape(d)
+    xq = np.empty((n, dp), np.int16) if out is None else out
+    x_exp = np.empty(n, np.int32)
+    _quantize_rows(x, *_row_scales(sh), xq, x_exp)
+    return xq, x_exp
+
+
+def _row_scales(shift: np.ndarray):
+    """Arguments of :func:`_quantize_rows` for one source's shifts ``int32 [d]``."""
+    pscale = np.ldexp(1.0, -shift.astype(np.int32))
+    lo, hi = (int(shift.min()), int(shift.max())) if shift.size else (0, 0)
+    return pscale, pscale.astype(np.float32), lo, hi
+
+
+# --------------------------------------------------------------------------------------------
+# the micro-kernel (LLVM vector IR)
+
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+_F64 = ir.DoubleType()
+_V16I = ir.VectorType(_I32, 16)
+_V32S = ir.VectorType(_I16, 32)
+_V32I = ir.VectorType(_I32, 32)
+_V16D = ir.VectorType(_F64, 16)
+_V16F = ir.VectorType(_F32, 16)
+_EVEN = ir.Constant(_V16I, [2 * i for i in range(16)])
+_ODD = ir.Constant(_V16I, [2 * i + 1 for i in range(16)])
+_SPLAT0 = ir.Constant(_V16I, None)
+
+
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
+def _vload(builder, ptr, vty, align):
+    return builder.load(builder.bitcast(ptr, vty.as_pointer()), align=align)
+
+
+def _vstore(builder, v, ptr, align):
+    builder.store(v, builder.bitcast(ptr, v.type.as_pointer()), align=align)
+
+
+def _splat(builder, scalar, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), _SPLAT0)
+
+
+def _make_block(R: int, C: int):
+    """An intrinsic computing one ``R x 16C`` block of one chunk of one source and its epilogue.
+
+    ``blk(xq, xoff, xstride, wp, woff, wstride, nkp, tmp, flags, cs, csoff, rs, rsoff, y, out,
+    orow, ocol)``: int32 accumulators ``acc[r, c] = sum_{kp < nkp} xq[xoff + r*xstride + 2kp + e]
+    * wp[woff + kp*wstride + 32c + 2l + e]`` (flat int16 arrays); then, with ``v = float64(acc)``
+    (plus ``tmp`` unless ``flags & FIRST``): not ``LAST``: ``tmp = v``; ``LAST``: ``term = v *
+    (cs[csoff + col] * rs[rsoff + r])`` (exact: powers of two), ``yv = (0.0 if YFIRST else y) +
+    term``; ``FINAL``: ``out[orow + r, ocol + col] = float32(yv)``, else ``y = yv``.  ``tmp``,
+    ``y``: float64 ``[R * 16C]`` scratch; ``out`` float32 2-D with unit column stride.
+    """
+    CW = 16 * C
+
+    @intrinsic
+    def blk(typingctx, xq, xoff, xstride, wp, woff, wstride, nkp, tmp, flags, cs, csoff, rs, rsoff, y,
+            out, orow, ocol):
+        sig = types.void(xq, xoff, xstride, wp, woff, wstride, nkp, tmp, flags, cs, csoff, rs, rsoff, y,
+                         out, orow, ocol)
+
+        def codegen(context, builder, sig, args):
+            (xq, xoff, xstride, wp, woff, wstride, nkp, tmp, flags, cs, csoff, rs, rsoff, y,
+             out, orow, ocol) = args
+            ta = sig.args
+
+            def data(i, v):
+                return context.make_array(ta[i])(context, builder, v).data
+
+            xd, wd, td, csd, rsd, yd = data(0, xq), data(3, wp), data(7, tmp), data(9, cs), data(11, rs), data(13, y)
+            oarr = context.make_array(ta[14])(context, builder, out)
+            od = builder.bitcast(oarr.data, ir.IntType(8).as_pointer())
+            ostride0 = cgutils.unpack_tuple(builder, oarr.strides, 2)[0]
+
+            slots = [[cgutils.alloca_once(builder, _V16I) for _ in range(C)] for _ in range(R)]
+            for r in range(R):
+                for c in range(C):
+                    builder.store(ir.Constant(_V16I, None), slots[r][c])
+            xrow = [builder.add(xoff, builder.mul(xstride, _c64(r))) for r in range(R)]
+            with cgutils.for_range(builder, nkp) as loop:
+                kp = loop.index
+                wrow = builder.add(woff, builder.mul(kp, wstride))
+                wv = [builder.sext(_vload(builder, builder.gep(wd, [builder.add(wrow, _c64(32 * c))]), _V32S, 2),
+                                   _V32I) for c in range(C)]
+                k2 = builder.add(kp, kp)
+                for r in range(R):
+                    p = builder.gep(xd, [builder.add(xrow[r], k2)])
+                    xi = builder.load(builder.bitcast(p, _I32.as_pointer()), align=2)
+                    xv = builder.sext(builder.bitcast(_splat(builder, xi, _V16I), _V32S), _V32I)
+                    for c in range(C):
+                        pr = builder.mul(xv, wv[c])
+                        pair = builder.add(builder.shuffle_vector(pr, pr, _EVEN), builder.shuffle_vector(pr, pr, _ODD))
+                        builder.store(builder.add(builder.load(slots[r][c]), pair), slots[r][c])
+
+            accs = [[builder.load(slots[r][c]) for c in range(C)] for r in range(R)]
+            end = builder.append_basic_block("blk_end")
+            sw = builder.switch(flags, end)
+            for fl in range(16):
+                first, last, yfirst, final = bool(fl & _FIRST), bool(fl & _LAST), bool(fl & _YFIRST), bool(fl & _FINAL)
+                if not last and (yfirst or final):
+                    continue
+                bb = builder.append_basic_block(f"epi{fl}")
+                sw.add_case(_c64(fl), bb)
+                builder.position_at_end(bb)
+                for r in range(R):
+                    if last:
+                        rsv = _splat(builder, builder.load(builder.gep(rsd, [builder.add(rsoff, _c64(r))])), _V16D)
+                        orow_r = builder.mul(builder.add(orow, _c64(r)), ostride0)
+                    for c in range(C):
+                        off = _c64((r * C + c) * 16)
+                        v = builder.sitofp(accs[r][c], _V16D)
+                        if not first:
+                            v = builder.fadd(_vload(builder, builder.gep(td, [off]), _V16D, 8), v)
+                        if not last:
+                            _vstore(builder, v, builder.gep(td, [off]), 8)
+                            continue
+                        csv = _vload(builder, builder.gep(csd, [builder.add(csoff, _c64(16 * c))]), _V16D, 8)
+                        term = builder.fmul(v, builder.fmul(csv, rsv))
+                        yv = ir.Constant(_V16D, None) if yfirst else _vload(builder, builder.gep(yd, [off]), _V16D, 8)
+                        yv = builder.fadd(yv, term)
+                        if final:
+                            col = builder.mul(builder.add(ocol, _c64(16 * c)), _c64(4))
+                            p = builder.gep(od, [builder.add(orow_r, col)])
+                            _vstore(builder, builder.fptrunc(yv, _V16F), p, 4)
+                        else:
+                            _vstore(builder, yv, builder.gep(yd, [off]), 8)
+                builder.branch(end)
+            builder.position_at_end(end)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return blk
+
+
+_blk_full = _make_block(R_BLK, C_BLK)
+_blk_row1 = _make_block(1, C_BLK)
+_blk_col1 = _make_block(R_BLK, 1)
+_blk_one = _make_block(1, 1)
+
+
+@njit(cache=True, nogil=True)
+def _map_predict(xq, x_exp, wp, w_exp, out):
+    """xq int16 [S, n, 2KP]; x_exp int32 [S, n]; wp int16 [S, KP, mp, 2]; w_exp int32 [S, >= m];
+    out float32 [n, m] (unit column stride), m <= mp, m % 16 == 0."""
+    S, n, K2 = xq.shape
+    KP = wp.shape[1]
+    mp = wp.shape[2]
+    m = out.shape[1]
+    xf = xq.ravel()
+    wf = wp.ravel()
+    tmp = np.empty(R_BLK * COL_BLK, np.float64)
+    y = np.empty(R_BLK * COL_BLK, np.float64)
+    cs = np.zeros(S * mp, np.float64)
+    rs = np.empty(S * n, np.float64)
+    for s in range(S):
+        for j in range(m):
+            cs[s * mp + j] = _pow2(np.int64(w_exp[s, j]))
+        for t in range(n):
+            rs[s * n + t] = _pow2(np.int64(x_exp[s, t]))
+    nch_static = (KP + KP_CHUNK - 1) // KP_CHUNK
+    if S == 0 or KP == 0:
+        out[:] = 0.0
+        return
+    mfull = m - m % COL_BLK
+    one_chunk = np.zeros(S, np.bool_)
+    for t0 in range(0, n, R_BLK):
+        full_rows = t0 + R_BLK <= n
+        nr = R_BLK if full_rows else n - t0
+        # one int32 accumulator for a whole source when every row of the block has
+        # sum_k |xq| <= L1_ONE_CHUNK (then |any partial sum| <= L1 * WQ_MAX < 2**31), else
+        # chunks of K_CHUNK products (the same exact integers either way)
+        for s in range(S):
+            worst = 0
+            for r in range(nr):
+                a = 0
+                for k in range(K2):
+                    a += abs(np.int64(xq[s, t0 + r, k]))
+                worst = max(worst, a)
+            one_chunk[s] = worst <= L1_ONE_CHUNK
+        for j0 in range(0, m, 16):
+            if j0 < mfull:
+                if j0 % COL_BLK != 0:
+                    continue
+                wide = True
+            else:
+                wide = False
+            for s in range(S):
+                nch = 1 if one_chunk[s] else nch_static
+                csz = KP if one_chunk[s] else KP_CHUNK
+                for ch in range(nch):
+                    kp0 = ch * csz
+                    nk = min(csz, KP - kp0)
+                    fl = 0
+                    if ch == 0:
+                        fl |= _FIRST
+                    if ch == nch - 1:
+                        fl |= _LAST
+                        if s == 0:
+                            fl |= _YFIRST
+                        if s == S - 1:
+                            fl |= _FINAL
+                    woff = ((s * KP + kp0) * mp + j0) * 2
+                    if full_rows:
+                        if wide:
+                            _blk_full(xf, (s * n + t0) * K2 + 2 * kp0, K2, wf, woff, 2 * mp, nk, tmp, fl,
+                                      cs, s * mp + j0, rs, s * n + t0, y, out, t0, j0)
+                        else:
+                            _blk_col1(xf, (s * n + t0) * K2 + 2 * kp0, K2, wf, woff, 2 * mp, nk, tmp, fl,
+                                      cs, s * mp + j0, rs, s * n + t0, y, out, t0, j0)
+                    else:
+                        # leftover rows one at a time (tmp/y of row r at offset r * CW)
+                        for r in range(nr):
+                            t = t0 + r
+                            if wide:
+                                _blk_row1(xf, (s * n + t) * K2 + 2 * kp0, K2, wf, woff, 2 * mp, nk,
+                                          tmp[r * COL_BLK:], fl, cs, s * mp + j0, rs, s * n + t, y[r * COL_BLK:],
+                                          out, t, j0)
+                            else:
+                                _blk_one(xf, (s * n + t) * K2 + 2 * kp0, K2, wf, woff, 2 * mp, nk,
+                                         tmp[r * COL_BLK:], fl, cs, s * mp + j0, rs, s * n + t, y[r * COL_BLK:],
+                                         out, t, j0)
+
+
+def map_predict(xq: np.ndarray, x_exp: np.ndarray, wp: np.ndarray, w_exp: np.ndarray,
+                out: np.ndarray | None = None, n_out: int | None = None) -> np.ndarray:
+    """The map prediction from quantised sources.
+
+    ``xq int16 [S, n, d_pad]`` (C-contiguous; source ``s`` from :func:`quantize_rows` with that
+    source's shift), ``x_exp int32 [S, n]``, ``wp`` from :func:`pack_weights` (``[S, d_pad/2,
+    d_out_pad, 2]``), ``w_exp int32 [S, d_out]``.  ``out``: float32 ``[n, d_out]`` with unit
+    column stride and any row stride (e.g. a row slice of a larger array); allocated if None.
+    Returns ``out``: ``float32(sum_s float64(xq_s @ wq_s.T) * 2**(x_exp_s[t] + w_exp_s[j]))``,
+    the integer products exact, the sources added in order in float64.
+    """
+    S, n, K2 = xq.shape
+    m = w_exp.shape[1] if n_out is None else n_out
+    if wp.shape[0] != S or 2 * wp.shape[1] != K2 or x_exp.shape != (S, n) or wp.shape[2] < m:
+        raise ValueError("map_predict: inconsistent shapes")
+    if not (xq.dtype == np.int16 and wp.dtype == np.int16 and xq.flags.c_contiguous and wp.flags.c_contiguous):
+        raise TypeError("map_predict: xq and wp must be C-contiguous int16")
+    if out is None:
+        out = np.empty((n, m), np.float32)
+    elif out.shape != (n, m) or out.dtype != np.float32:
+        raise ValueError("map_predict: out must be float32 [n, d_out]")
+    target = out
+    if m % 16 or (out.strides[1] != 4 and m > 1) or out.strides[0] % 4:
+        target = np.empty((n, -(-m // 16) * 16), np.float32)
+    we = np.ascontiguousarray(w_exp, np.int32)
+    if we.shape[1] < target.shape[1]:
+        we = np.concatenate([we, np.zeros((S, target.shape[1] - we.shape[1]), np.int32)], axis=1)
+    _map_predict(xq, np.ascontiguousarray(x_exp, np.int32), wp, we, target)
+    if target is not out:
+        out[:] = target[:, :m]
+    return out
+
+
+class IntMap:
+    """A bank map prepared for exact integer prediction.
+
+    ``IntMap(W, n_src)``: ``W [n_src*d_in, d_out]`` (float16/32, sources stacked along rows in
+    the bank's order).  :meth:`predict` takes the source rows (float32 ``[n, d_in]`` each, in the
+    coding frame) and returns/writes float32 ``[n, d_out]``.  Rows are independent (per-row
+    scales): any split of the rows into calls gives the same bits.  Immutable after construction;
+    ``predict`` allocates its own scratch, so one ``IntMap`` can serve several threads.
+    """
+
+    def __init__(self, W: np.ndarray, n_src: int = 1, shift: np.ndarray | None = None):
+        wq, self.w_exp, self.shift = quantize_weights(W, n_src, shift)
+        self.n_src, self.d_out, self.d_in = wq.shape
+        self.wp = pack_weights(wq)
+        self._scales = [_row_scales(self.shift[s]) for s in range(self.n_src)]
+
+    def quantize(self, srcs, xq: np.ndarray | None = None):
+        """Quantise the sources: ``(xq int16 [S, n, d_pad], x_exp int32 [S, n])``."""
+        n = srcs[0].shape[0]
+        kp2 = 2 * self.wp.shape[1]
+        if xq is None:
+            xq = np.empty((self.n_src, n, kp2), np.int16)
+        x_exp = np.empty((self.n_src, n), np.int32)
+        for s in range(self.n_src):
+            x = srcs[s]
+            if x.shape != (n, self.d_in):
+                raise ValueError(f"source {s} has shape {x.shape}, expected ({n}, {self.d_in})")
+            _quantize_rows(np.ascontiguousarray(x, np.float32), *self._scales[s], xq[s], x_exp[s])
+        return xq, x_exp
+
+    def predict(self, srcs, out: np.ndarray | None = None) -> np.ndarray:
+        if len(srcs) != self.n_src:
+            raise ValueError(f"expected {self.n_src} sources, got {len(srcs)}")
+        xq, x_exp = self.quantize(srcs)
+        return map_predict(xq, x_exp, self.wp, self.w_exp, out, self.d_out)
+
+
+def reference_predict(xq: np.ndarray, x_exp: np.ndarray, wq: np.ndarray, w_exp: np.ndarray) -> np.ndarray:
+    """Pure-numpy definition of :func:`map_predict` (int64 products) for tests:
+    ``xq [S, n, >= d_in]``, ``wq [S, d_out, d_in]`` (unpacked)."""
+    S, m, K = wq.shape
+    y = np.zeros((xq.shape[1], m), np.float64)
+    for s in range(S):
+        acc = xq[s, :, :K].astype(np.int64) @ wq[s].T.astype(np.int64)
+        y = y + acc.astype(np.float64) * np.ldexp(1.0, (x_exp[s][:, None] + w_exp[s][None, :]).astype(np.int32))
+    return y.astype(np.float32)

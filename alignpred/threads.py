@@ -1,0 +1,54 @@
+"""kvz owns its thread pools: library thread pools (BLAS, OpenMP) are held to one thread inside
+kvz's own calls, and kvz parallelises explicitly (``threads=``), so nothing oversubscribes the
+cores and no result depends on a library's thread count.
+
+>>> with blas_single_thread():
+...     pass
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+_CONTROLLER = None
+_LOCK = threading.Lock()
+
+
+def default_threads() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _controller():
+    global _CONTROLLER
+    with _LOCK:
+        if _CONTROLLER is None:
+            from threadpoolctl import ThreadpoolController
+
+            _CONTROLLER = ThreadpoolController()
+        return _CONTROLLER
+
+
+def stepwise(ctx, it):
+    """Yield the items of ``it``, each produced inside a fresh context ``ctx()`` (left while the
+    consumer holds the item, so a caller's own BLAS use between steps is not limited)."""
+    it = iter(it)
+    while True:
+        with ctx():
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+        yield item
+
+
+@contextlib.contextmanager
+def blas_single_thread():
+    """Hold BLAS and OpenMP pools to one thread for the block (kvz's float products are small
+    and many; a library pool fighting kvz's own threads made decode 16x slower)."""
+    with _controller().limit(limits=1, user_api="blas"):
+        yield
