@@ -20,6 +20,7 @@ from .layout import Block, tensor_name
 from .predictors import BASE_MASK, INTERP, ZERO
 from .kernels import candidate_bits, quantize
 from .ratesearch import bracket_search
+from .threads import default_threads, pool
 
 SCOPES = ("object", "tensor", "pooled", "weighted")
 JOINT = ("pooled", "weighted")  # scopes whose budget spans the whole cache
@@ -72,7 +73,8 @@ class Encoder(Chain):
     """
 
     def __init__(self, layout, bank, config, eps: float, scope: str = "tensor", coder: str = "rans4",
-                 chunk_objects: int = 2, tensor_cap: float = TENSOR_CAP, plans=None, weights=None):
+                 chunk_objects: int = 2, tensor_cap: float = TENSOR_CAP, plans=None, weights=None,
+                 threads: int | None = None):
         super().__init__(layout, bank, config, coder, plans)
         if not (0.0 < eps < 1.0):
             raise EncodeError(f"eps must be in (0, 1), got {eps}")
@@ -93,6 +95,8 @@ class Encoder(Chain):
         elif weights is not None:
             raise EncodeError("tensor weights are used by the weighted scope only")
         self.chunk_objects = max(1, int(chunk_objects))
+        self.threads = default_threads() if threads is None else max(1, int(threads))
+        self._pool = pool(self.threads) if self.threads > 1 else None
         self.metas: list[TensorMeta] = []
         self._release = None
         self._early: dict | None = None
@@ -364,51 +368,76 @@ class Encoder(Chain):
         cfg = self.config
         cands = plan.modes()
         bases = {bb: plan.base(bb, local) for bb in {m & BASE_MASK for m in cands} if bb != ZERO}
-        bits = np.empty((len(cands), z.shape[1]))  # [n_modes, d]
-        for k, m in enumerate(cands):  # one pass per candidate, no temporaries of the block's size
+        def cost(m):  # one pass per candidate, no temporaries of the block's size (releases the GIL)
             base = bases[m & BASE_MASK] if m & BASE_MASK != ZERO else None
-            bits[k] = candidate_bits(z, delta_rows, bool(m & INTERP), cfg.object_size, base=base)
+            return candidate_bits(z, delta_rows, bool(m & INTERP), cfg.object_size, base=base)
+
+        bits = np.stack(list(self._pool.map(cost, cands)) if self._pool is not None else [cost(m) for m in cands])
         cands = np.array(cands, np.uint8)
         if cfg.channel_choice:
             return cands[np.argmin(bits, axis=0)], bases
         return np.full(z.shape[1], cands[int(np.argmin(bits.sum(axis=1)))], np.uint8), bases
 
     # -- one pass over the cache -----------------------------------------------------------------
+    def _chunk(self, tensors, j0, j1, delta, zero, modes, keep_q: bool):
+        """Code objects ``j0..j1-1`` of every tensor at steps ``delta``: returns per tensor
+        ``(squared error per object, token histogram, q or None)``. Chunks are independent
+        (predictions combine rows of the same positions), so they may run in parallel."""
+        lay = self.layout
+        S = self.config.object_size
+        H, d = lay.kv_heads, lay.head_dim
+        a, b = j0 * S, min(lay.n_tokens, j1 * S)
+        local: dict = {}
+        out = []
+        for ti, (layer, kind) in enumerate(self.tensors):
+            x = self._rows(tensors, ti, a, b)
+            delta_rows, zero_rows = self.delta_rows(delta[ti, j0:j1], zero[ti, j0:j1], a)
+            q = np.empty((b - a, H * d), np.int32)
+            err = np.zeros(j1 - j0)
+            for h in range(H):
+                blk = Block(layer, kind, h)
+                z = self.frame.to_frame(x[h], blk, a)
+                q[:, h * d:(h + 1) * d], local[blk.name] = self._code_head(
+                    self.plans[blk.name], modes[ti][h], z, local, delta_rows, zero_rows, blk)
+                e = self._row_errors(local[blk.name], x[h], blk, a)
+                e[zero_rows] = 0.0
+                err += obj_sums(e, S)
+                self.prune(local, blk.name)
+            live = ~zero_rows
+            hist = entropy.histogram(np.ascontiguousarray(q[live].T))[0] if live.any() and not keep_q else None
+            out.append((err, hist, q if keep_q else None))
+        return out
+
     def _pass(self, tensors, delta, zero, modes, models=None, progress=None):
         """Code the whole cache at steps ``delta [n_tensors, n_obj]``, chunk by chunk through
-        every layer. Returns ``(sq_err [n_tensors, n_obj], token histograms per tensor)``;
-        with ``models`` (emission) it is a generator of :class:`EncodedObject` instead."""
+        every layer (``threads`` chunks at a time in parallel). Returns ``(sq_err [n_tensors,
+        n_obj], token histograms per tensor)``; with ``models`` (emission) it is a generator of
+        :class:`EncodedObject` instead, in chunk order."""
         lay = self.layout
         S, C = self.config.object_size, self.chunk_objects
         H, d = lay.kv_heads, lay.head_dim
         err = np.zeros(delta.shape)
         hist = np.zeros((len(self.tensors), H * d, entropy.N_TOKENS), np.int32)  # < 2**31 rows per tensor
-        for j0 in range(0, self.n_obj, C):
-            j1 = min(self.n_obj, j0 + C)
-            a, b = j0 * S, min(lay.n_tokens, j1 * S)
-            local: dict = {}
-            for ti, (layer, kind) in enumerate(self.tensors):
-                x = self._rows(tensors, ti, a, b)
-                delta_rows, zero_rows = self.delta_rows(delta[ti, j0:j1], zero[ti, j0:j1], a)
-                q = np.empty((b - a, H * d), np.int32)
-                for h in range(H):
-                    blk = Block(layer, kind, h)
-                    z = self.frame.to_frame(x[h], blk, a)
-                    q[:, h * d:(h + 1) * d], local[blk.name] = self._code_head(
-                        self.plans[blk.name], modes[ti][h], z, local, delta_rows, zero_rows, blk)
-                    e = self._row_errors(local[blk.name], x[h], blk, a)
-                    e[zero_rows] = 0.0
-                    err[ti, j0:j1] += obj_sums(e, S)
-                    self.prune(local, blk.name)
-                live = ~zero_rows
-                if models is None:
-                    if live.any():
-                        hist[ti] += entropy.histogram(np.ascontiguousarray(q[live].T))[0]
-                    continue
-                yield from self._objects(ti, q, j0, j1, a, delta, zero, err[ti, j0:j1], models[ti])
-            if progress:
-                progress(b - a)
-        if models is None:
+        starts = list(range(0, self.n_obj, C))
+        emit = models is not None
+        for w0 in range(0, len(starts), self.threads):  # a window of chunks in flight
+            window = [(j0, min(self.n_obj, j0 + C)) for j0 in starts[w0:w0 + self.threads]]
+
+            def run(jj):
+                return self._chunk(tensors, jj[0], jj[1], delta, zero, modes, emit)
+
+            results = list(self._pool.map(run, window)) if len(window) > 1 else [run(window[0])]
+            for (j0, j1), res in zip(window, results):
+                a = j0 * S
+                for ti, (e, h, q) in enumerate(res):
+                    err[ti, j0:j1] = e
+                    if h is not None:
+                        hist[ti] += h
+                    if emit:
+                        yield from self._objects(ti, q, j0, j1, a, delta, zero, err[ti, j0:j1], models[ti])
+                if progress:
+                    progress(min(lay.n_tokens, j1 * S) - a)
+        if not emit:
             yield err, hist
 
     def _objects(self, ti, q, j0, j1, a, delta, zero, err, models):

@@ -13,6 +13,24 @@ from .layout import numpy_dtype
 from .rope import apply_rope
 
 
+def check_rope_range(layout, config) -> None:
+    """Refuse (LayoutError) a layout whose RoPE angles would pass the platform-independent
+    tables' limit (kvz.md §8.3.2): checked when a file is opened or a cache compressed, not
+    halfway through a decode."""
+    if not (layout.keys_roped and config.rope_undo) or (layout.rope is None and config.arith == "float"):
+        return
+    from .errors import LayoutError
+    from .rope import _ANGLE_LIMIT
+
+    last = np.float32(layout.position_offset + max(layout.n_tokens, 1) - 1)
+    for t in layout.rope_spec.tables:
+        angle = float(np.float32(last * np.float32(max(t.inv_freq))))
+        if angle >= _ANGLE_LIMIT:
+            raise LayoutError(f"RoPE angles reach {angle:.4g} at position {int(last)}, beyond what kvz's "
+                              f"platform-independent tables cover ({_ANGLE_LIMIT:.4g}); positions this far out "
+                              "cannot be coded with RoPE undone (use rope_undo=False)")
+
+
 class Frame:
     """Forward and inverse coding-frame transforms of every block of a layout."""
 

@@ -48,8 +48,8 @@ TIERS = ("coarse", "exact")
 def minor_for(layout, config, tensor_cap: float = 0.0, tiers=("coarse",), scope: str = "tensor") -> int:
     """The oldest minor version that can express a file: 1.1 for exact arithmetic, an absolute
     sink, an exact RoPE spec, a tensor cap or a refinement tier; 1.0 otherwise (kvz 0.1)."""
-    new = (config.arith != "float" or config.sink_origin != "file" or layout.rope is not None or bool(tensor_cap)
-           or list(tiers) != ["coarse"] or scope == "weighted")
+    new = (config.arith != "float" or config.sink_origin != "file" or layout.rope is not None
+           or list(tiers) != ["coarse"] or scope == "weighted")  # tensor_cap alone is informative
     return 1 if new else 0
 
 
@@ -180,6 +180,8 @@ def check_header(h: dict) -> None:
         raise FormatError("codec.tensor_weights must be positive numbers")
     if (codec["eps_scope"] == "weighted") != (tw is not None):
         raise FormatError("codec.tensor_weights go with the weighted scope")
+    if tw is not None and len(tw) != 2 * lay["num_layers"]:
+        raise FormatError("codec.tensor_weights must hold one weight per tensor")
     cap = codec.get("tensor_cap", 0.0)
     if not (type(cap) in (int, float) and (cap == 0 or 1 <= cap < 1e6)):
         raise FormatError("codec.tensor_cap must be 0 or a number >= 1")

@@ -23,7 +23,6 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -40,7 +39,7 @@ from .format.container import ENTRY_SIZE, FLAG_REFINE, PREAMBLE_SIZE, crc32, par
 from .header import _f32, _nonneg, check_bank, check_header, tensor_metas
 from .io import map_file, release_pages
 from .layout import CacheLayout, numpy_dtype
-from .threads import blas_single_thread, default_threads, stepwise
+from .threads import blas_single_thread, default_threads, pool as _pool, stepwise
 
 
 class DecoderSession:
@@ -87,19 +86,6 @@ class DecoderSession:
 
 
 DEFAULT_SESSION = DecoderSession()
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(n: int) -> ThreadPoolExecutor:
-    """kvz's own decode threads (one pool per size, created on first use)."""
-    with _POOL_LOCK:
-        p = _POOLS.get(n)
-        if p is None:
-            p = _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvz-decode")
-        return p
 
 
 def _lockstep(pool, gens):
@@ -186,6 +172,9 @@ class KvzReader:
             raise FormatError(f"the header uses features of a newer minor version than the file's {self.version}")
         lay = self.layout
         S = self.config.object_size
+        from .frame import check_rope_range
+
+        check_rope_range(lay, self.config)
         self.metas = tensor_metas(h, lay)
         n_obj = -(-lay.n_tokens // S)
         n_coarse = n_obj * len(self.metas)
@@ -440,7 +429,7 @@ class KvzReader:
             pass
         return out
 
-    def decompress_to(self, path, tokens=None, layers=None, chunk_objects: int = 1, progress=None,
+    def decompress_to(self, path, tokens=None, layers=None, chunk_objects: int = 8, progress=None,
                       tier=None) -> int:
         """Decode into a safetensors file (atomically) in bounded memory: object range by object
         range through every layer, each slice written at its place in the output, so only

@@ -284,6 +284,8 @@ class RopeTable:
         import base64
         import binascii
 
+        if isinstance(d, dict) and set(d) - {"inv_freq", "attention_scaling", "pairing"}:
+            raise LayoutError(f"unknown RoPE table keys {sorted(set(d) - {'inv_freq', 'attention_scaling', 'pairing'})}")
         if not isinstance(d, dict) or not isinstance(d.get("inv_freq"), (list, str)):
             raise LayoutError("RoPE table must be an object with inv_freq (base64 float32 or a list of numbers)")
         inv = d["inv_freq"]
@@ -502,6 +504,8 @@ class RopeSpec:
 
     @classmethod
     def from_json(cls, d) -> "RopeSpec":
+        if isinstance(d, dict) and set(d) - {"tables", "layer_table"}:
+            raise LayoutError(f"unknown rope keys {sorted(set(d) - {'tables', 'layer_table'})}")
         if not isinstance(d, dict) or not isinstance(d.get("tables"), list) or not isinstance(d.get("layer_table"), list):
             raise LayoutError("rope must be an object with 'tables' and 'layer_table' lists")
         if not all(type(i) is int for i in d["layer_table"]):

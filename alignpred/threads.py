@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 _CONTROLLER = None
 _LOCK = threading.Lock()
@@ -31,6 +32,20 @@ def _controller():
 
             _CONTROLLER = ThreadpoolController()
         return _CONTROLLER
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def pool(n: int) -> ThreadPoolExecutor:
+    """kvz's own worker threads (one pool per size, created on first use). Work given to them
+    must release the GIL to run in parallel (kvz's numba kernels do, as do numpy's large ops)."""
+    with _POOL_LOCK:
+        p = _POOLS.get(n)
+        if p is None:
+            p = _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvz")
+        return p
 
 
 def stepwise(ctx, it):

@@ -90,7 +90,7 @@ def _resolve_bank(bank, layout):
 def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str = "tensor",
              config: CodecConfig | None = None, embed_bank: bool = False, coder: str = CODER,
              tensor_cap: float = TENSOR_CAP, lossless: bool = False, weights=None, target_kl: float | None = None,
-             progress=None) -> CompressInfo:
+             threads: int | None = None, progress=None) -> CompressInfo:
     """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
     ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
     scope also caps every tensor at ``tensor_cap × eps``, 0 = no cap).
@@ -107,7 +107,8 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
     ``lossless``: add the refinement tier (:mod:`alignpred.refine`): the file then decodes to
     the original bits exactly, and its coarse tier (at ``eps``) stays readable alone
     (``KvzReader(..., tier="coarse")``), e.g. as a drafter's cache.
-    ``progress(n)`` is called with positions done (several passes may run).
+    ``threads``: kvz's own worker threads (default: the cores available); the file does not
+    depend on it. ``progress(n)`` is called with positions done (several passes may run).
     """
     cache = _as_cache(cache)
     src = cache.path
@@ -116,7 +117,7 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
             raise OutputExistsError(f"{os.fspath(out)} is the input cache; write the .kvz to another path")
         return _compress(cache, out, eps=eps, bank=bank, scope=scope, config=config, embed_bank=embed_bank,
                          coder=coder, tensor_cap=tensor_cap, lossless=lossless, weights=weights,
-                         target_kl=target_kl, progress=progress)
+                         target_kl=target_kl, threads=threads, progress=progress)
     except KvzError as e:
         if src and src not in str(e):
             raise type(e)(f"{src}: {e}") from None
@@ -217,7 +218,7 @@ def _tensor_weights(weights, bank, lay):
 
 
 def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor_cap, lossless, weights,
-              target_kl, progress) -> CompressInfo:
+              target_kl, threads, progress) -> CompressInfo:
     config = config or CodecConfig()
     lay = cache.layout
     if lossless and config.arith != "exact":
@@ -238,6 +239,9 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
         scope = "weighted"
     elif eps is None:
         raise KvzError("give the error bound eps (e.g. eps=0.03) or a quality target target_kl")
+    from .frame import check_rope_range
+
+    check_rope_range(lay, config)
     bank = _resolve_bank(bank, lay)
     w = _tensor_weights(weights, bank, lay) if scope == "weighted" else None
     if target_kl is not None and w is not None:
@@ -247,7 +251,7 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
     from .detect import check_rope
 
     check_rope(lay, bank, cache.tensors)
-    enc = Encoder(lay, bank, config, eps, scope, coder, tensor_cap=tensor_cap, weights=w)
+    enc = Encoder(lay, bank, config, eps, scope, coder, tensor_cap=tensor_cap, weights=w, threads=threads)
     bank_bytes = bank.to_bytes() if embed_bank else b""
     n_obj = enc.n_obj
     buf = cache.buf

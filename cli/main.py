@@ -97,12 +97,14 @@ def cli():
 @click.option("--lossless", is_flag=True,
               help="Add a refinement tier: the file decodes to the original bits; its coarse tier (at --eps) stays "
                    "readable alone (decompress --tier coarse).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Worker threads (default: the cores available; the file does not depend on it).")
 @click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_errors
 def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, align, no_map, blend, no_intra,
-             no_channel_choice, no_rope_undo, sink_tokens, tensor_cap, lossless, force, as_json, quiet):
+             no_channel_choice, no_rope_undo, sink_tokens, tensor_cap, lossless, threads, force, as_json, quiet):
     """Compress a KV cache (safetensors) into a .kvz file.
 
     BANK is a bank file, a registered bank's name (see `kvz bank list`; e.g. gemma-3-270m) or
@@ -132,7 +134,8 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
     # the bar counts positions coded over all passes.
     with _progress(None, "compress", quiet, unit="pos") as bar:
         info = compress_cache(cache, out, eps=eps, bank=b, scope=eps_scope, config=cfg, embed_bank=self_calibrate,
-                              tensor_cap=tensor_cap, lossless=lossless, target_kl=target_kl, progress=bar.update)
+                              tensor_cap=tensor_cap, lossless=lossless, target_kl=target_kl, threads=threads,
+                              progress=bar.update)
     eps, eps_scope = info.eps, info.scope
     b_id = info.bank_id
     res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "lossless": lossless, "bpv": info.bpv,
@@ -157,18 +160,21 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
 @click.option("--layers", type=int, help="Decode only the first N layers.")
 @click.option("--tier", type=click.Choice(["coarse", "exact"]),
               help="Tier of a --lossless file (default: the best it has).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Decode threads (default: the cores available; the output does not depend on it).")
 @click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("-q", "--quiet", is_flag=True)
 @_errors
-def decompress(src, out, bank, tokens, layers, tier, force, as_json, quiet):
+def decompress(src, out, bank, tokens, layers, tier, threads, force, as_json, quiet):
     """Decode a .kvz file back to safetensors (same names, shapes and dtypes).
 
     OUT defaults to SRC with .safetensors; an existing file (the original cache, typically) is
-    never replaced without --force. Streams in bounded memory: 256 positions of every layer at a
-    time, each slice written at its place in a temporary file renamed over OUT at the end."""
+    never replaced without --force. Streams in bounded memory: 2,048 positions of every layer at a
+    time (decoded on all threads), each slice written at its place in a temporary file renamed
+    over OUT at the end."""
     out = out or os.path.splitext(src)[0] + ".safetensors"
-    r = KvzReader(src, bank=bank)
+    r = KvzReader(src, bank=bank, threads=threads)
     _check_output(out, force, [src])
     lay = r.layout
     rng = None

@@ -14,7 +14,9 @@ For each vector ``NAME`` it writes, next to this script:
 * ``NAME.expected.npz``      — the expected decode (no pickle): ``dec.<tensor>`` holds the
   decoded tensor's raw bits (uint16 for bf16/f16, uint32 for f32; dtype in the manifest) and
   ``q.<tensor index>.<object index>`` the object's decoded symbols, int32 ``[C, n]``
-  (C = kv_heads * head_dim channels, n tokens) — these are bit-exact by the spec;
+  (C = kv_heads * head_dim channels, n tokens) — these are bit-exact by the spec; for lossless
+  (two-tier) vectors also ``coarse.<tensor>`` (the coarse tier's decode) and ``r.<ti>.<j>``
+  (the refinement symbols);
 
 and ``manifest.json`` with the parameters, sha256 of every file, the parse facts a reader must
 find, the comparison tolerance and the platform the files were made on. ``tests/test_golden.py``
@@ -47,7 +49,7 @@ REAL_SAMPLE = os.path.join(ROOT, "samples", "gemma3-270m", "english-prose.safete
 TOLERANCE = {"ulps": 1, "rel_rms": 1e-4}
 
 
-def _synthetic(n_layers, heads, T, d, dtype, seed, meta_extra=None, zero=None, batch=False):
+def _synthetic(n_layers, heads, T, d, dtype, seed, meta_extra=None, zero=None, batch=False, neg_zero=None):
     """Correlated synthetic cache (layers share a latent signal), keys marked RoPE'd."""
     rng = np.random.default_rng(seed)
     latent = rng.standard_normal((heads, T, d)).cumsum(axis=1) * 0.1 + rng.standard_normal((heads, T, d))
@@ -63,6 +65,8 @@ def _synthetic(n_layers, heads, T, d, dtype, seed, meta_extra=None, zero=None, b
     out = {}
     for k, v in t.items():
         v = v.astype(np.float32).astype(dtype)
+        if neg_zero and k == neg_zero[0]:  # signed zeros must come back as they were
+            v[:, neg_zero[1]:neg_zero[2], ::3] = -np.zeros((), dtype)
         out[k] = v[None] if batch else v
     meta = {"model": "synthetic", "keys_roped": "true", "rope_theta": json.dumps([1e4] * n_layers),
             "rope_pairing": "half", "position_offset": "0",
@@ -95,7 +99,7 @@ def _rope_meta(n_layers, d):
 
     a = RopeTable.from_theta(1e4, d, rotary_dim=d - 4, pairing="interleaved", attention_scaling=1.25)
     b = RopeTable.from_theta(1e6, d, rotary_dim=d - 4, pairing="interleaved", attention_scaling=1.25)
-    spec = RopeSpec((a, b), tuple([0] * (n_layers - 1) + [1]))
+    spec = RopeSpec((a, b), tuple([0] * (n_layers - 2) + [-1, 1]))  # one layer without RoPE
     return {"rope": json.dumps(spec.to_json()), "keys_roped": "true"}
 
 
@@ -125,7 +129,7 @@ def vectors():
          lambda: no_theta(_synthetic(3, 1, 300, 16, bf16, 12,
                                      dict(_rope_meta(3, 16), position_offset="5",
                                           layer_types=json.dumps(["sliding_attention"] * 2 + ["full_attention"])),
-                                     zero=("layers.1.value", 256, 300))),
+                                     zero=("layers.1.value", 256, 300), neg_zero=("layers.2.key", 10, 14))),
          dict(eps=0.08, scope="object", config=CodecConfig(blend=True), embed_bank=True, lossless=True),
          dict(rank=None, rotations=False)),
         ("v11-synth-weighted-f32-batch",
@@ -304,7 +308,8 @@ def make(name, factory, ckw, bkw, out=HERE) -> dict:
         "format": ".".join(map(str, r.version)),
         "compress": {"eps": ckw["eps"], "eps_scope": ckw["scope"], "config": ckw["config"].to_json(),
                      "embed_bank": ckw["embed_bank"], "coder": ckw.get("coder", "rans4"),
-                     "lossless": bool(ckw.get("lossless")), "tensor_cap": ckw.get("tensor_cap", 3.0),
+                     "lossless": bool(ckw.get("lossless")),
+                     "tensor_cap": ckw.get("tensor_cap", 3.0) if ckw["scope"] in ("pooled", "weighted") else 0.0,
                      "weights": ckw.get("weights")},
         "bank_fit": {k: v for k, v in bkw.items()},
         "bank_id": bank.id,
