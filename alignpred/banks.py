@@ -198,14 +198,13 @@ def sensitivity(bank_id: str, model: str = "") -> dict | None:
     """The downstream-sensitivity record of a bank (``<name>.sensitivity.json`` next to a
     registered bank, matched by ``bank_id``; written by ``benchmarks/sensitivity.py``): per-tensor
     weights in KL per NRMSE², used by the weighted scope and ``target_kl``. None if there is none."""
+    from .io import read_json
+
     for _, d in search_dirs():
         if not d.is_dir():
             continue
         for p in sorted(d.glob("*.sensitivity.json")):
-            try:
-                rec = json.loads(p.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue
+            rec = read_json(p)
             if isinstance(rec, dict) and rec.get("bank_id") == bank_id and isinstance(rec.get("tensor_weights"), dict):
                 return rec
     return None

@@ -263,3 +263,22 @@ def same_file(a, b) -> bool:
         return os.path.samefile(os.fspath(a), os.fspath(b))
     except OSError:
         return False
+
+
+def read_npz(path) -> dict:
+    """The arrays of a NumPy ``.npz`` file (no pickles), read at once."""
+    import numpy as np
+
+    with np.load(os.fspath(path), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def read_json(path):
+    """A JSON file's value, or None if it cannot be read or parsed."""
+    import json
+
+    try:
+        with open(os.fspath(path), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

@@ -79,13 +79,15 @@ def _validate(freq: np.ndarray) -> None:
 @functools.lru_cache(maxsize=1)
 def load() -> Tables:
     """Load, verify (sha256) and expand the committed tables; cached."""
-    with np.load(TABLE_PATH, allow_pickle=False) as z:
-        freq = z["freq"].astype(np.uint32)
-        cost_fx = z["cost_fx"].astype(np.uint32)
-        kind = z["kind"].copy()
-        params = z["params"].astype(np.float64)
-        prec = int(z["prec"])
-        set_id = str(z["set_id"])
+    from alignpred.io import read_npz
+
+    z = read_npz(TABLE_PATH)
+    freq = z["freq"].astype(np.uint32)
+    cost_fx = z["cost_fx"].astype(np.uint32)
+    kind = z["kind"].copy()
+    params = z["params"].astype(np.float64)
+    prec = int(z["prec"])
+    set_id = str(z["set_id"])
     digest = hashlib.sha256(canonical_bytes(freq, cost_fx)).hexdigest()
     if digest != TABLES_SHA256 or prec != PREC or set_id != MODEL_SET_ID:
         raise RuntimeError(
@@ -108,8 +110,7 @@ def load() -> Tables:
 
 def n_models() -> int:
     """Number of models in the committed family."""
-    with np.load(TABLE_PATH, allow_pickle=False) as z:
-        return int(z["freq"].shape[0])
+    return int(load().freq.shape[0])
 
 
 # ----------------------------------------------------------------------------------------
