@@ -4,7 +4,7 @@ The parser is pure over bytes (:func:`parse_safetensors`); :func:`load_cache` ma
 returns zero-copy views; :func:`save_cache` writes atomically. bfloat16 arrays use ml_dtypes.
 
 >>> import numpy as np, tempfile, os
->>> t = {f"layers.{i}.{k}": np.arange(12, dtype=np.float32).reshape(1, 3, 4) for i in range(1) for k in ("key", "value")}
+>>> t = {f"layers.0.{k}": np.arange(12, dtype=np.float32).reshape(1, 3, 4) for k in ("key", "value")}
 >>> p = os.path.join(tempfile.mkdtemp(), "c.safetensors")
 >>> save_cache(p, t, {"model": "toy"})
 >>> c = load_cache(p)
@@ -94,7 +94,8 @@ def parse_safetensors(buf) -> tuple[dict, dict]:
         try:
             dt = _ST_DTYPES[info["dtype"]]
         except (KeyError, TypeError):
-            raise LayoutError(f"tensor {name!r}: unsupported dtype {info.get('dtype') if isinstance(info, dict) else info!r}; "
+            got = info.get("dtype") if isinstance(info, dict) else info
+            raise LayoutError(f"tensor {name!r}: unsupported dtype {got!r}; "
                               f"kvz reads {', '.join(_ST_DTYPES)}: convert the cache first "
                               "(e.g. tensor.to(torch.bfloat16) before saving)") from None
         shape = tuple(int(s) for s in info["shape"])
@@ -125,7 +126,8 @@ def safetensors_header(specs, metadata: dict | None = None) -> bytes:
     for name, shape, dtype in specs:
         dt = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        header[name] = {"dtype": _ST_NAMES[_dtname(dt)], "shape": [int(x) for x in shape], "data_offsets": [off, off + n]}
+        header[name] = {"dtype": _ST_NAMES[_dtname(dt)], "shape": [int(x) for x in shape],
+                        "data_offsets": [off, off + n]}
         off += n
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}

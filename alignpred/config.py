@@ -51,8 +51,9 @@ class CodecConfig:
     arith: str = ""  # "" = auto: "exact", or "float" with align
 
     def __post_init__(self):
+        scale = float(self.sink_scale)
         if not (isinstance(self.sink_tokens, int) and self.sink_tokens >= 0
-                and 0.0 < float(self.sink_scale) <= 1.0 and float(np.float32(self.sink_scale)) == float(self.sink_scale)):
+                and 0.0 < scale <= 1.0 and float(np.float32(scale)) == scale):
             raise KvzError("sink_tokens must be >= 0 and sink_scale a float32 in (0, 1]")
         if self.sink_origin not in SINK_ORIGINS:
             raise KvzError(f"sink_origin must be one of {', '.join(SINK_ORIGINS)}")

@@ -99,7 +99,8 @@ def tensor_metas(h: dict, layout) -> list:
             from .layout import numpy_dtype
             from .refine import n_contexts
 
-            m.refine_models = unb64(t.get("refine_models"), n_contexts(numpy_dtype(layout.dtype)), f"{name}.refine_models")
+            m.refine_models = unb64(t.get("refine_models"), n_contexts(numpy_dtype(layout.dtype)),
+                                    f"{name}.refine_models")
         metas.append(m)
     return metas
 

@@ -321,7 +321,6 @@ def _make_block(R: int, C: int):
     term``; ``FINAL``: ``out[orow + r, ocol + col] = float32(yv)``, else ``y = yv``.  ``tmp``,
     ``y``: float64 ``[R * 16C]`` scratch; ``out`` float32 2-D with unit column stride.
     """
-    CW = 16 * C
 
     @intrinsic
     def blk(typingctx, xq, xoff, xstride, wp, woff, wstride, nkp, tmp, flags, cs, csoff, rs, rsoff, y,

@@ -164,7 +164,8 @@ class KvzReader:
             raise FormatError(f"malformed header ({type(e).__name__}: {e})") from None
         if codec.get("name") != "alignpred":
             raise FormatError(f"unknown codec {codec.get('name')!r}")
-        if ent.get("coder") not in entropy.CODERS or ent.get("model_set") != entropy.MODEL_SET_ID or ent.get("prec") != entropy.PREC:
+        if (ent.get("coder") not in entropy.CODERS or ent.get("model_set") != entropy.MODEL_SET_ID
+                or ent.get("prec") != entropy.PREC):
             raise FormatError(f"unsupported entropy coder {ent!r}")
         from .header import minor_for
 

@@ -9,7 +9,8 @@ the coarse decode and the truth, small where the coarse tier is close. Symbols a
 coarse residuals (int32, channel-major per object), with one static rANS model per *context*:
 the exponent field of the coarse value (its scale decides how many representable values the
 coarse error spans), models chosen per tensor and context (:func:`contexts`,
-:func:`alignpred.entropy.encode_ctx`). Decoding: ``original = unord(ord(coarse) + r)``. This needs the coarse decode to be the
+:func:`alignpred.entropy.encode_ctx`). Decoding: ``original = unord(ord(coarse) + r)``.
+This needs the coarse decode to be the
 same bits everywhere (``arith = "exact"``, format 1.1) — a file with a refinement tier is only
 written with it.
 

@@ -41,7 +41,8 @@ Speed: ~1.7 ns per angle (AVX-512 here), ~15x faster than ``np.cos`` + ``np.sin`
 The angle of position ``p`` and pair ``i`` is ``float32(float32(p) * inv_freq[i])``, the
 float32 product transformers computes. Inverse frequencies are data (recorded from the model,
 see ``kvz.integrations.hf_rope``); :meth:`RopeTable.from_theta` derives default ones from a
-base without libm either (decimal arithmetic, :func:`_default_inv_freq`). Tables are built in aligned blocks of 256 positions (a
+base without libm either (decimal arithmetic, :func:`_default_inv_freq`). Tables are built in
+aligned blocks of 256 positions (a
 position's value never depends on the range asked for) and kept in a bounded cache
 (:func:`set_table_cache_bytes`, 64 MiB by default) whose eviction keeps working when the
 blocks of a long cache do not all fit (see :class:`_BlockCache`).
@@ -285,7 +286,8 @@ class RopeTable:
         import binascii
 
         if isinstance(d, dict) and set(d) - {"inv_freq", "attention_scaling", "pairing"}:
-            raise LayoutError(f"unknown RoPE table keys {sorted(set(d) - {'inv_freq', 'attention_scaling', 'pairing'})}")
+            extra = sorted(set(d) - {"inv_freq", "attention_scaling", "pairing"})
+            raise LayoutError(f"unknown RoPE table keys {extra}")
         if not isinstance(d, dict) or not isinstance(d.get("inv_freq"), (list, str)):
             raise LayoutError("RoPE table must be an object with inv_freq (base64 float32 or a list of numbers)")
         inv = d["inv_freq"]
@@ -506,7 +508,7 @@ class RopeSpec:
     def from_json(cls, d) -> "RopeSpec":
         if isinstance(d, dict) and set(d) - {"tables", "layer_table"}:
             raise LayoutError(f"unknown rope keys {sorted(set(d) - {'tables', 'layer_table'})}")
-        if not isinstance(d, dict) or not isinstance(d.get("tables"), list) or not isinstance(d.get("layer_table"), list):
+        if not (isinstance(d, dict) and isinstance(d.get("tables"), list) and isinstance(d.get("layer_table"), list)):
             raise LayoutError("rope must be an object with 'tables' and 'layer_table' lists")
         if not all(type(i) is int for i in d["layer_table"]):
             raise LayoutError("rope.layer_table must be integers")

@@ -76,7 +76,8 @@ def cli():
 @click.option("--eps", type=float, default=None, help="Relative Frobenius error bound (NRMSE)  [default: 0.03]")
 @click.option("--eps-scope", type=click.Choice(["object", "tensor", "pooled", "weighted"]), default="tensor",
               show_default=True,
-              help="Unit that must meet eps: each 256-token object, each tensor, the whole cache, or the whole cache with "
+              help="Unit that must meet eps: each 256-token object, each tensor, the whole cache, or the whole cache "
+                   "with "
                    "each tensor weighted by its measured effect on the model's output (the bank's sensitivity record).")
 @click.option("--target-kl", type=float, default=None,
               help="Ask for a mean next-token KL divergence instead of an NRMSE (weighted scope; needs the bank's "
@@ -143,12 +144,15 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
            "nrmse_pooled": info.nrmse_pooled, "nrmse_max_tensor": info.nrmse_max_tensor, "bank_id": b_id,
            "nrmse_weighted": info.nrmse_weighted, "kl_predicted": info.kl_predicted, "target_kl": target_kl}
     src_bits = 32 if cache.layout.dtype == "float32" else 16
+    cap_note = f", tensor cap {tensor_cap:g} x eps" if eps_scope in ("pooled", "weighted") and tensor_cap else ""
+    weighted_note = (f"; weighted NRMSE {info.nrmse_weighted:.6f}, predicted KL {info.kl_predicted:.2e}"
+                     if info.nrmse_weighted is not None else "")
     _emit(res, as_json, [f"{out}: {info.file_bytes} bytes, {info.bpv:.3f} bits/value "
                          f"({src_bits / info.bpv:.2f}x smaller than the {cache.layout.dtype} input)",
                          f"error: pooled NRMSE {info.nrmse_pooled:.6f}, worst tensor {info.nrmse_max_tensor:.6f} "
                          f"(eps {eps}, scope {eps_scope}"
-                         f"{f', tensor cap {tensor_cap:g} x eps' if eps_scope in ('pooled', 'weighted') and tensor_cap else ''})"
-                         f"{f'; weighted NRMSE {info.nrmse_weighted:.6f}, predicted KL {info.kl_predicted:.2e}' if info.nrmse_weighted is not None else ''}"
+                         f"{cap_note})"
+                         f"{weighted_note}"
                          f"{'; the exact tier decodes to the original bits' if lossless else ''}"])
 
 
@@ -264,7 +268,8 @@ def bank_list(as_json):
     for e in es:
         sig = e.signature
         lines.append(f"{e.name:<28} {e.id[:19] + '…':<21} {e.model or '-':<16} "
-                     f"{'%s x %s x %s' % (sig.get('num_layers'), sig.get('kv_heads'), sig.get('head_dim')):<20} {e.origin}")
+                     f"{'{} x {} x {}'.format(sig.get('num_layers'), sig.get('kv_heads'), sig.get('head_dim')):<20} "
+                     f"{e.origin}")
     if not es:
         lines = ["no banks registered; searched: " + ", ".join(str(d) for _, d in search_dirs())]
     _emit({"banks": rows}, as_json, lines)

@@ -352,7 +352,8 @@ def capture_model(model, tokenizer, tokens, out_path: str | os.PathLike, dtype: 
         if max_tokens < 1:
             raise ValueError("tokens must be >= 1")
         if len(ids) < max_tokens:
-            raise ValueError(f"text is too short: it has {len(ids)} tokens (including BOS), {max_tokens} were requested")
+            raise ValueError(f"text is too short: it has {len(ids)} tokens (including BOS), "
+                             f"{max_tokens} were requested")
         ids = ids[:max_tokens]
     tensors, spec, info = record_kv(model, ids, chunk=chunk, dtype=dtype, progress=progress)
     from .hf_rope import rope_thetas

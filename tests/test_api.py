@@ -56,7 +56,7 @@ def test_decode_into_buffers(cb):
     # a few layers, layer by layer, into views of one big preallocated buffer
     pool = np.zeros((3, 2, 2, 600, 16), np.float32)  # layer, K/V, heads, T, d
     seen = []
-    for layer, k, v in r.layers(tokens=(256, 512), layers=[0, 2], out=lambda i: (pool[i, 0, :, 256:512],
+    for layer, k, _v in r.layers(tokens=(256, 512), layers=[0, 2], out=lambda i: (pool[i, 0, :, 256:512],
                                                                                    pool[i, 1, :, 256:512])):
         seen.append(layer)
         assert np.shares_memory(k, pool)

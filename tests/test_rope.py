@@ -297,7 +297,7 @@ def test_cache_survives_sweeps_larger_than_itself():
     c = _BlockCache(200 * per)
     for k in range(512):  # first sweep: all misses
         c.get(t, k)
-    for layer in range(5):
+    for _layer in range(5):
         for k in range(512):
             c.get(t, k)
     info = c.info()
