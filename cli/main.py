@@ -150,7 +150,7 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
     _emit(res, as_json, [f"{out}: {info.file_bytes} bytes, {info.bpv:.3f} bits/value "
                          f"({src_bits / info.bpv:.2f}x smaller than the {cache.layout.dtype} input)",
                          f"error: pooled NRMSE {info.nrmse_pooled:.6f}, worst tensor {info.nrmse_max_tensor:.6f} "
-                         f"(eps {eps}, scope {eps_scope}"
+                         f"(eps {eps:.6g}, scope {eps_scope}"
                          f"{cap_note})"
                          f"{weighted_note}"
                          f"{'; the exact tier decodes to the original bits' if lossless else ''}"])
