@@ -317,18 +317,30 @@ class Encoder(Chain):
         cap_t = (self.tensor_cap * self.eps) ** 2 * norm_t if self.tensor_cap else np.full(len(norm_t), np.inf)
         d = np.asarray(d0, np.float64).copy()
         best = None
+        cap_hi = np.full(len(d), np.inf)  # smallest step seen above the cap, per tensor
+        cap_lo = np.zeros(len(d))  # largest step seen within it
+        capped = np.isfinite(cap_t)
         for it in range(16):
             e, res = evaluate(d.astype(np.float32))
             tot = float(np.sum(u * e))
-            caps_ok = bool(np.all(e <= cap_t))
+            over = e > cap_t
+            caps_ok = not over.any()
             band = BAND * (2.0 ** max(0, it + 1 - widen) if widen else 1.0)
             if tot <= target and caps_ok:
                 if best is None or tot > best[0]:
                     best = (tot, d.copy(), res)
                 if tot >= target * (1.0 - band):
                     return d, res
+            cap_hi = np.where(over, np.minimum(cap_hi, d), cap_hi)
+            cap_lo = np.where(capped & ~over, np.maximum(cap_lo, d), cap_lo)
             c = np.where(e > 0, e / np.maximum(d, 1e-300) ** 2, 0.0)
-            cap_step = np.where(c > 0, np.sqrt(aim * cap_t / np.maximum(c, 1e-300)), np.inf)
+            # a cap is a bound, not a target: aim 2 % below it, and keep each tensor's cap step inside
+            # the bracket its own measurements give (errors are only roughly quadratic in the step)
+            cap_step = np.where(c > 0, np.sqrt(0.98 * cap_t / np.maximum(c, 1e-300)), np.inf)
+            bracket = np.isfinite(cap_hi) & (cap_lo > 0)
+            outside = bracket & ((cap_step <= cap_lo) | (cap_step >= cap_hi))
+            cap_step = np.where(outside, np.sqrt(cap_lo * np.where(bracket, cap_hi, 1.0)), cap_step)
+            cap_step = np.where(np.isfinite(cap_hi), np.minimum(cap_step, cap_hi * 0.995), cap_step)
             live = (c > 0) & (u > 0)
 
             def budget(g):
@@ -350,16 +362,22 @@ class Encoder(Chain):
                 failing = (e > cap_t) | ((u * e) > 0) & (tot > target)
                 new = np.where(failing, np.minimum(new, d * 0.999), new)
             d = new
+        if best is not None and best[0] >= target * 0.9:
+            return best[1], best[2]
+        # The model did not settle: from the last steps, shrink what fails until both constraints
+        # hold (a feasible point far below the budget, e.g. the first guess, is kept only if this
+        # does worse).
+        for _ in range(100):
+            e, res = evaluate(d.astype(np.float32))
+            tot = float(np.sum(u * e))
+            if tot <= target and np.all(e <= cap_t):
+                if best is not None and best[0] > tot:
+                    return best[1], best[2]
+                return d, res
+            d = d * (0.99 if tot > target else 1.0)
+            d = np.where(e > cap_t, d * 0.99, d)
         if best is not None:
             return best[1], best[2]
-        for _ in range(200):  # the model did not converge: shrink what fails until both hold
-            e, res = evaluate(d.astype(np.float32))
-            if np.sum(u * e) <= target and np.all(e <= cap_t):
-                return d, res
-            d = d * (0.99 if np.sum(u * e) > target else 1.0)
-            d = np.where(e > cap_t, d * 0.99, d)
-            if np.all(d < 1e-30):
-                break
         raise EncodeError(f"cannot meet the {self.scope} error budget and the tensor cap together")
 
     def _choose(self, plan, z, local, delta_rows):
