@@ -36,7 +36,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
-BUNDLED_BANK = os.path.join(os.path.dirname(os.path.abspath(__import__("alignpred").__file__)), "banks", "gemma-3-270m.h5")
+BUNDLED_BANK = os.path.join(os.path.dirname(os.path.abspath(__import__("alignpred").__file__)), "banks",
+                            "gemma-3-270m.h5")
 CALIB_DIR = os.path.join(ROOT, "data", "calib")
 
 EPS_DEFAULT = tuple(float(f"{e:.3g}") for e in np.geomspace(0.005, 0.10, 8))
@@ -111,7 +112,8 @@ def limit_threads(n: int = 1) -> str:
             dll = ctypes.CDLL(lib)
         except OSError:
             continue
-        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
+        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                    "openblas_set_num_threads64_",
                     "openblas_set_num_threads"):
             fn = getattr(dll, sym, None)
             if fn is not None:
@@ -419,7 +421,7 @@ def run_bench(caches: list[str] | None = None, *, bank: str | None = None, calib
     if quick:
         ablation = calibration = False
     if "kvz" in run_methods and ablation:
-        for key, (label, kw) in ABLATIONS.items():
+        for key, (_label, kw) in ABLATIONS.items():
             if key == "default":
                 continue
             if kw.get("align") and not has_rot:
@@ -659,3 +661,45 @@ def run_quality_only(out: str, *, bank: str | None = None, n_prompts: int = 20, 
     results.setdefault("timing", {})["quality_wall_s"] = time.perf_counter() - t0
     write_results(results, out, report)
     return results
+
+
+# ============================================================================ speed (kvz bench --speed)
+
+def run_speed(out: str, *, quick: bool = False, bank: str | None = None, caches: list[str] | None = None,
+              command: str | None = None, progress: bool = True, extra_args=()) -> dict:
+    """The speed benchmark (:mod:`kvz.benchmarks.speed`) into ``OUT/speed.{json,md,png}``, in a fresh
+    process with the default thread environment (this process may have pinned BLAS/numba threads for the
+    rate-distortion run); its acceptance lines are appended to ``OUT/RESULTS.md`` when that exists.
+    ``extra_args``: more options of ``python -m kvz.benchmarks.speed`` (e.g. ``["--sections", "codecs"]``)."""
+    import subprocess
+
+    from kvz.benchmarks import speed as SP
+
+    if not caches and not SP.default_caches():
+        raise FileNotFoundError("the speed benchmark runs on data/eval/*.safetensors (2,048-token held-out "
+                                "caches): make them with `python samples/make_samples.py --what eval`, or pass caches")
+    os.makedirs(out, exist_ok=True)
+    js = os.path.join(out, "speed.json")
+    args = [sys.executable, "-m", "kvz.benchmarks.speed", "--json", js, "--plot", os.path.join(out, "speed.png"),
+            "--md", os.path.join(out, "speed.md"), "--command", command or "kvz bench --speed"]
+    if quick:
+        args.append("--quick")
+    if bank:
+        args += ["--bank", bank]
+    if not progress:
+        args.append("-q")
+    args += list(extra_args) + [os.path.abspath(c) for c in caches or ()]
+    p = subprocess.run(args, env=SP.clean_env(pythonpath=os.environ.get("PYTHONPATH")),
+                       stdout=None if progress else subprocess.DEVNULL)
+    if p.returncode != 0 or not os.path.exists(js):
+        raise RuntimeError(f"the speed benchmark failed (exit status {p.returncode})")
+    with open(js) as f:
+        res = json.load(f)
+    md = os.path.join(out, "RESULTS.md")
+    if os.path.exists(md):
+        with open(md, "a", encoding="utf-8") as f:
+            f.write("\n## Speed (kvz decode/encode vs SZ3, FP8, zstd, LMCache; restore vs prefill)\n\n"
+                    "Full tables in [speed.md](speed.md), plot in speed.png.\n\n"
+                    + "\n".join(f"- {'met' if a['met'] else 'NOT MET'}: {a['point']} - {a['detail']}"
+                                for a in res.get("acceptance", [])) + "\n")
+    return res
