@@ -1,0 +1,296 @@
+"""The transformers cache bridge: a model's KV to ``.kvz`` and back into a cache ``generate`` continues from.
+
+::
+
+    from kvz.integrations.hf_bridge import capture_prefill, save_kv, load_cache
+    logits, cache, full_kv = capture_prefill(model, ids[:-1])          # full K/V of every layer
+    save_kv(full_kv, "p.kvz", model=model, eps=0.02, bank="gemma-3-270m", token_ids=ids[:-1])
+    out = model.generate(torch.tensor([ids]), past_key_values=load_cache("p.kvz", model), max_new_tokens=32)
+
+* :func:`capture_prefill` runs the model over ``input_ids`` with a :class:`RecordingCache` (a
+  ``DynamicCache`` that also keeps every K/V handed to ``update``), so ``full_kv`` holds *all*
+  positions of every layer — Gemma 3's sliding-window layers keep only the last window in the
+  cache itself.
+* :func:`save_kv` writes ``full_kv`` as a ``.kvz`` with the metadata the codec and the loader need:
+  model id, layer types, ``keys_roped``, the model's exact RoPE
+  (:func:`~kvz.integrations.hf_rope.rope_spec_from_model`),
+  ``position_offset`` and the token ids.
+* :func:`load_cache` builds a ``DynamicCache`` from the model config and fills it layer by layer
+  from :meth:`alignpred.KvzReader.layers` (decoded straight into preallocated tensors) through each
+  layer's own ``update()``, so sliding layers keep exactly the window a real prefill keeps. The
+  file's RoPE must be the model's (checked), and its first position must be 0 (a cache for
+  ``generate`` starts there).
+* :func:`cache_from_kv` does the same from tensors in memory (the "inject by hand" path).
+
+torch / transformers are imported lazily.
+"""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+__all__ = ["RecordingCache", "capture_prefill", "save_kv", "load_cache", "cache_from_kv", "new_cache",
+           "kv_metadata", "model_id_of", "kv_shape", "cache_kwarg", "text_config"]
+
+
+def text_config(model):
+    from .hf_rope import text_config as _tc
+
+    return _tc(model.config)
+
+
+def model_id_of(model) -> str:
+    """The model id written into metadata and bound into chunk keys."""
+    cfg = model.config
+    mid = getattr(model, "kvz_model_id", None) or getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "")
+    return str(mid or type(model).__name__)
+
+
+def kv_shape(model) -> tuple[int, int, int]:
+    """``(num_layers, kv_heads, head_dim)`` of the model's cache."""
+    cfg = text_config(model)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return int(cfg.num_hidden_layers), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads), int(d)
+
+
+def cache_kwarg(model) -> str:
+    """``cache`` (transformers >= 5.x renamed it) or ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_cache(model):
+    """An empty ``DynamicCache`` built from the model config (sliding layers where the model has them)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=text_config(model))
+
+
+def _recording_cls():
+    from transformers import DynamicCache
+
+    class RecordingCache(DynamicCache):
+        """A DynamicCache that also keeps every K/V chunk handed to ``update`` (all positions of every
+        layer, sliding layers included). ``recorded[layer] = ([keys...], [values...])``."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.recorded: dict = {}
+            self.recording = True
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if self.recording:
+                ks, vs = self.recorded.setdefault(layer_idx, ([], []))
+                ks.append(key_states.detach())
+                vs.append(value_states.detach())
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+        def full_kv(self) -> list:
+            """``[(key, value)]`` per layer, ``[kv_heads, T, head_dim]``, every recorded position."""
+            import torch
+
+            out = []
+            for i in range(len(self.recorded)):
+                ks, vs = self.recorded[i]
+                out.append((torch.cat(ks, dim=-2)[0], torch.cat(vs, dim=-2)[0]))
+            return out
+
+    return RecordingCache
+
+
+def RecordingCache(model):  # noqa: N802 - a factory that reads like the class
+    """A new recording cache for ``model`` (see :func:`capture_prefill`)."""
+    return _recording_cls()(config=text_config(model))
+
+
+def capture_prefill(model, input_ids, *, cache=None, logits_to_keep: int = 1, chunk: int | None = None):
+    """Run ``model`` over ``input_ids`` (a list of ids, or a ``[1, T]`` / ``[T]`` tensor) and return
+    ``(logits, cache, full_kv)``: the logits of the last ``logits_to_keep`` positions (``[1, n, vocab]``;
+    0 keeps all), the model's cache (a :class:`RecordingCache`, usable by ``generate``), and
+    ``full_kv``, ``[(key, value)]`` per layer of shape ``[kv_heads, T, head_dim]`` holding every
+    position fed in this call (keys post-RoPE, as cached). ``cache``: a recording cache to continue
+    (positions then start at its length). ``chunk``: prefill in pieces of that many tokens."""
+    import torch
+
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be one non-empty sequence, got shape {tuple(ids.shape)}")
+    if cache is None:
+        cache = RecordingCache(model)
+    elif not hasattr(cache, "recorded"):
+        raise ValueError("cache must be a RecordingCache from this module (or None)")
+    before = {i: len(v[0]) for i, v in cache.recorded.items()}
+    start = cache.get_seq_length()
+    T = ids.shape[1]
+    step = T if not chunk else max(1, int(chunk))
+    device = next(model.parameters()).device
+    kw = cache_kwarg(model)
+    logits = None
+    with torch.inference_mode():
+        for a in range(0, T, step):
+            piece = ids[:, a:a + step].to(device)
+            pos = torch.arange(start + a, start + a + piece.shape[1], device=device)[None]
+            last = a + step >= T
+            out = model(input_ids=piece, position_ids=pos, use_cache=True, **{kw: cache},
+                        logits_to_keep=logits_to_keep if last else 1)
+            if last:
+                logits = out.logits
+    full = []
+    for i in range(len(cache.recorded)):
+        ks, vs = cache.recorded[i]
+        n0 = before.get(i, 0)
+        full.append((torch.cat(ks[n0:], dim=-2)[0], torch.cat(vs[n0:], dim=-2)[0]))
+    return logits, cache, full
+
+
+def kv_metadata(model, n_positions: int, *, position_offset: int = 0, token_ids=None, model_id: str | None = None,
+                spec=None) -> dict:
+    """The cache metadata of ``n_positions`` positions of ``model``'s KV starting at ``position_offset``:
+    ``model``, ``layer_types``, ``keys_roped``, ``rope`` (the model's exact RoPE spec),
+    ``position_offset`` and ``token_ids`` (when given)."""
+    from .hf_rope import layer_types_of, rope_spec_from_model
+
+    if spec is None:
+        spec = rope_spec_from_model(model, int(position_offset) + int(n_positions))
+    meta = {"model": model_id or model_id_of(model), "layer_types": list(layer_types_of(model.config)),
+            "keys_roped": True, "rope": spec.to_json(), "position_offset": int(position_offset)}
+    if token_ids is not None:
+        ids = [int(t) for t in token_ids]
+        if len(ids) != n_positions:
+            raise ValueError(f"{len(ids)} token ids for {n_positions} positions")
+        meta["token_ids"] = ids
+    return meta
+
+
+def _kv_arrays(full_kv) -> list:
+    out = []
+    for k, v in full_kv:
+        k = k.detach().to("cpu") if hasattr(k, "detach") else k
+        v = v.detach().to("cpu") if hasattr(v, "detach") else v
+        if k.ndim == 4:
+            k, v = k[0], v[0]
+        out.append((k, v))
+    return out
+
+
+def save_kv(full_kv, out, *, model, eps: float, bank, position_offset: int = 0, token_ids=None,
+            model_id: str | None = None, config=None, scope: str = "tensor", dtype: str | None = None, **kw):
+    """Compress ``full_kv`` (``[(key, value)]`` per layer, ``[kv_heads, T, head_dim]``, torch or numpy)
+    to ``out`` (a path, a binary stream, or None for bytes in ``info.data``) with the model's
+    metadata; returns :class:`alignpred.CompressInfo`. ``dtype`` (``float16``/``bfloat16``/``float32``)
+    casts before coding (default: as given — float32 for an fp32 model)."""
+    from alignpred import Cache, compress
+
+    kv = _kv_arrays(full_kv)
+    if dtype is not None:
+        import torch
+
+        tdt = getattr(torch, dtype)
+        kv = [(k.to(tdt) if hasattr(k, "to") else k.astype(dtype), v.to(tdt) if hasattr(v, "to") else v.astype(dtype))
+              for k, v in kv]
+    T = int(kv[0][0].shape[-2])
+    meta = kv_metadata(model, T, position_offset=position_offset, token_ids=token_ids, model_id=model_id)
+    cache = Cache.from_arrays(kv, meta)
+    return compress(cache, out, eps=eps, bank=bank, scope=scope, config=config, **kw)
+
+
+def _check_rope(reader, model, n_positions: int) -> None:
+    from alignpred import KvzError
+
+    from .hf_rope import rope_spec_from_model
+
+    lay = reader.layout
+    if not lay.keys_roped:
+        raise KvzError(f"{reader.path}: keys are not marked as RoPE'd; this is not a transformers cache")
+    want = rope_spec_from_model(model, n_positions)
+    have = lay.rope
+    if have is None:
+        from alignpred.rope import RopeSpec
+
+        if not lay.rope_theta:
+            raise KvzError(f"{reader.path}: no RoPE metadata")
+        have = RopeSpec.from_thetas(list(lay.rope_theta), head_dim=lay.head_dim)
+    for i in range(lay.num_layers):
+        a, b = have.table(i), want.table(i)
+        if (a is None) != (b is None) or (a is not None and (a.inv_freq != b.inv_freq or
+                                                               a.attention_scaling != b.attention_scaling or
+                                                               a.pairing != b.pairing)):
+            raise KvzError(f"{reader.path}: layer {i} was cached with another RoPE than this model applies; "
+                           "load it with the model it was captured from")
+
+
+def _check_shape(lay, model, where: str) -> None:
+    from alignpred import KvzError
+
+    n, h, d = kv_shape(model)
+    if (lay.num_layers, lay.kv_heads, lay.head_dim) != (n, h, d):
+        raise KvzError(f"{where}: cache is {lay.num_layers} layers x {lay.kv_heads} KV heads x {lay.head_dim}, "
+                       f"the model needs {n} x {h} x {d}")
+
+
+def load_cache(src, model, tokens=None, *, bank=None, session=None, cache=None, check_rope: bool = True):
+    """A transformers ``DynamicCache`` holding the K/V of ``src`` (a ``.kvz`` path, bytes, or a
+    :class:`alignpred.KvzReader`) for positions ``tokens=(a, b)`` (default all), ready for
+    ``model.generate`` / a forward pass to continue from.
+
+    The cache is built from the model config and filled layer by layer: each layer is decoded
+    straight into a preallocated tensor of the model's dtype and handed to that layer's
+    ``update()`` (sliding-window layers keep their window, as after a real prefill). The first
+    position must be absolute position 0 (``position_offset`` + ``a``). ``cache``: fill this
+    (empty) cache instead of a new one."""
+    import torch
+
+    from alignpred import KvzError, KvzReader
+
+    r = src if isinstance(src, KvzReader) else KvzReader(src, bank=bank, session=session)
+    lay = r.layout
+    _check_shape(lay, model, r.path)
+    a, b = (0, lay.n_tokens) if tokens is None else (int(tokens[0]), int(tokens[1]))
+    if lay.position_offset + a != 0:
+        raise KvzError(f"{r.path}: positions {lay.position_offset + a}.. cannot start a cache (it starts at 0); "
+                       "load from the file's first position, or use kvz.integrations.chunkstore to place chunks")
+    if check_rope:
+        _check_rope(r, model, lay.position_offset + lay.n_tokens)
+    dtype = next(model.parameters()).dtype
+    cache = new_cache(model) if cache is None else cache
+    n, h, d = kv_shape(model)
+    bufs: dict = {}
+
+    def out(i):
+        return bufs.setdefault(i, (torch.empty((1, h, b - a, d), dtype=dtype),
+                                   torch.empty((1, h, b - a, d), dtype=dtype)))
+
+    for i, _, _ in r.layers(tokens=(a, b), out=out):
+        k, v = bufs.pop(i)
+        cache.update(k, v, i)
+    return cache
+
+
+def _as_torch(x, dtype):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype)
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(dtype)
+
+
+def cache_from_kv(model, kv, *, cache=None):
+    """A ``DynamicCache`` filled from ``kv`` (``[(key, value)]`` per layer or ``{layers.i.key: ...}``;
+    torch or numpy, ``[kv_heads, T, d]`` or ``[1, kv_heads, T, d]``) through each layer's ``update()``."""
+    n, h, d = kv_shape(model)
+    dtype = next(model.parameters()).dtype
+    if isinstance(kv, dict):
+        kv = [(kv[f"layers.{i}.key"], kv[f"layers.{i}.value"]) for i in range(n)]
+    if len(kv) != n:
+        raise ValueError(f"{len(kv)} layers of K/V for a model with {n}")
+    cache = new_cache(model) if cache is None else cache
+    for i, (k, v) in enumerate(kv):
+        kt, vt = _as_torch(k, dtype), _as_torch(v, dtype)
+        if kt.dim() == 3:
+            kt, vt = kt[None], vt[None]
+        cache.update(kt, vt, i)
+    return cache
+
