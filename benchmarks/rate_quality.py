@@ -56,7 +56,6 @@ benchmark (``--quick`` preset with ``kvz bench --quick``) into the bench output 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os

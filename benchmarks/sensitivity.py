@@ -225,7 +225,7 @@ def _weights(prompts, mode, names) -> dict[str, float]:
 
 def summarize(raw: dict) -> dict:
     """Weights, checks and token weights from :func:`measure`'s raw results."""
-    prompts, names, eps = raw["prompts"], raw["names"], raw["eps"]
+    prompts, names = raw["prompts"], raw["names"]
     out = {"weights": {}, "checks": {}, "spread": {}}
     all_prompts = prompts
     for mode in raw["modes"]:
