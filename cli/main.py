@@ -188,7 +188,7 @@ def decompress(src, out, bank, tokens, layers, tier, threads, force, as_json, qu
         except ValueError:
             raise click.UsageError("--tokens must look like A:B") from None
         if not (0 <= a < b <= lay.n_tokens):
-            raise click.UsageError(f"--tokens {a}:{b} is outside 0:{lay.n_tokens}")
+            raise click.UsageError(f"--tokens {a}:{b}: need 0 <= A < B <= {lay.n_tokens}")
         rng = (a, b)
     if layers is not None and not (1 <= layers <= lay.num_layers):
         raise click.UsageError(f"--layers must be in 1..{lay.num_layers}")
