@@ -299,7 +299,7 @@ class KvzReader:
         lay = self.layout
         a, b = (0, lay.n_tokens) if tokens is None else (int(tokens[0]), int(tokens[1]))
         if not (0 <= a < b <= lay.n_tokens):
-            raise KvzError(f"token range {a}..{b} is empty or outside 0..{lay.n_tokens} (need 0 <= a < b <= {lay.n_tokens})")
+            raise KvzError(f"token range {a}..{b}: need 0 <= a < b <= {lay.n_tokens}")
         if layers is None:
             sel = list(range(lay.num_layers))
         elif isinstance(layers, (int, np.integer)):
