@@ -1,0 +1,29 @@
+"""The documentation points inside the repository, and the acceptance run never switches data
+sets behind the user's back."""
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("doc", ["README.md", "format_spec/README.md", "samples/README.md", "benchmarks/RESULTS.md"])
+def test_relative_links_stay_in_the_repository(doc):
+    path = os.path.join(ROOT, doc)
+    text = open(path, encoding="utf-8").read()
+    for target in re.findall(r"\]\(([^)#\s]+)", text):
+        if "://" in target:
+            continue
+        full = os.path.normpath(os.path.join(os.path.dirname(path), target))
+        assert full.startswith(ROOT + os.sep), f"{doc} links outside the repository: {target}"
+        assert os.path.exists(full), f"{doc} links to a missing file: {target}"
+
+
+def test_acceptance_refuses_a_missing_data_set(monkeypatch, capsys):
+    from kvz.benchmarks import acceptance
+
+    monkeypatch.setattr("glob.glob", lambda *a, **k: [])
+    with pytest.raises(SystemExit):
+        acceptance.main([])
+    assert "make_samples.py --what eval" in capsys.readouterr().err
