@@ -38,6 +38,21 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child inherits the pools but not their threads: work submitted to them would
+    wait forever. Forget them (and re-create the locks, which a parent thread may have held at
+    the fork); the child makes its own pools on first use."""
+    global _POOL_LOCK, _LOCK, _CONTROLLER
+    _POOLS.clear()
+    _POOL_LOCK = threading.Lock()
+    _LOCK = threading.Lock()
+    _CONTROLLER = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def pool(n: int) -> ThreadPoolExecutor:
     """kvz's own worker threads (one pool per size, created on first use). Work given to them
     must release the GIL to run in parallel (kvz's numba kernels do, as do numpy's large ops)."""

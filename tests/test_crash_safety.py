@@ -44,7 +44,8 @@ def test_sigkill_writer_at_random_points(tmp_path):
     t0 = time.monotonic()
     p = ctx.Process(target=_writer, args=(cache, bank, str(tmp_path / "timing.kvz"), 0.02))
     p.start()
-    p.join()
+    p.join(120)
+    assert p.exitcode == 0, f"the timing writer did not finish (exit code {p.exitcode})"
     duration = time.monotonic() - t0
     rng = random.Random(1)
     outcomes = {"old": 0, "new": 0}
@@ -57,7 +58,8 @@ def test_sigkill_writer_at_random_points(tmp_path):
         p.start()
         time.sleep(rng.uniform(0.0, 1.1 * duration))
         os.kill(p.pid, signal.SIGKILL)
-        p.join()
+        p.join(30)
+        assert not p.is_alive()
         got = path.read_bytes()
         assert got in (old_bytes, new_bytes), f"round {it}: the destination is neither the old nor the new file"
         outcomes["old" if got == old_bytes else "new"] += 1

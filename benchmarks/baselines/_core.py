@@ -100,7 +100,7 @@ def search_continuous(f: Callable[[float], float], k0: float, target: float, ste
     best_bad: tuple[float, float] | None = None
     k = float(k0)
     n = 0
-    for _ in range(1, steps + 1):
+    for n in range(1, steps + 1):  # noqa: B007 - n is the evaluation count returned below
         e = float(f(k))
         if e <= target:
             if lo is None or k > lo[0]:
