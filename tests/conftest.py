@@ -7,6 +7,17 @@ import pytest
 from alignpred.cachefile import Cache
 from alignpred.layout import infer_layout
 
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """No test leaks environment variables into later ones (a leaked NUMBA_NUM_THREADS makes the
+    next numba compile fail once numba's threads are running)."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
 BANK = os.path.join(ROOT, "alignpred", "banks", "gemma-3-270m.h5")
