@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SAMPLES = ROOT / "samples" / "gemma3-270m"
+BANK = str(ROOT / "alignpred" / "banks" / "gemma-3-270m.h5")
 EPS = 0.0267
 
 
@@ -76,7 +77,7 @@ def precision(quick: bool) -> dict:
     from alignpred.calibrate import block_samples
     from alignpred.intmap import IntMap
 
-    bank = Bank.load(str(SAMPLES / "bank.h5"))
+    bank = Bank.load(BANK)
     res = {"int_equalised": [], "int_plain": [], "float32_blas": []}
     files = sorted(glob.glob(str(SAMPLES / "*.safetensors")))[: 1 if quick else None]
     for path in files:
@@ -121,7 +122,7 @@ def speed_child(reps: int) -> dict:
     from alignpred import Bank, load_cache
     from alignpred import intmap as im
 
-    bank = Bank.load(str(SAMPLES / "bank.h5"))
+    bank = Bank.load(BANK)
     cache = load_cache(str(SAMPLES / "english-prose.safetensors"))
     out = {}
     n = 256
@@ -179,7 +180,7 @@ def hash_child() -> dict:
     from alignpred.fused import fused_post
     from alignpred.intmap import IntMap
 
-    bank = Bank.load(str(SAMPLES / "bank.h5"))
+    bank = Bank.load(BANK)
     cache = load_cache(str(SAMPLES / "english-prose.safetensors"))
     h = hashlib.sha256()
     for blk in ("K.5.0", "V.5.0", "K.11.0", "V.11.0"):
@@ -257,7 +258,7 @@ def rans_speed(reps: int, quick: bool) -> dict:
     from alignpred import Bank, compress, entropy, load_cache
     from alignpred import rans
 
-    bank = Bank.load(str(SAMPLES / "bank.h5"))
+    bank = Bank.load(BANK)
     cache = load_cache(str(SAMPLES / "english-prose.safetensors"))
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "x.kvz")

@@ -29,7 +29,7 @@ kvz is as good downstream as FP8 (and the other baselines).
 
 Run standalone::
 
-    python -m kvz.benchmarks.quality --bank samples/gemma3-270m/bank.h5 --eps 0.01,0.0267,0.05 --prompts 20 --out DIR
+    python -m kvz.benchmarks.quality --bank gemma-3-270m --eps 0.01,0.0267,0.05 --prompts 20 --out DIR
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def _command_line(caches, opts: list[tuple[str, object]]) -> str:
 @click.command("bench")
 @click.argument("caches", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--bank", type=click.Path(dir_okay=False),
-              help="kvz calibration bank (default: samples/gemma3-270m/bank.h5; else one is fitted on the calib set).")
+              help="kvz calibration bank (default: the bundled gemma-3-270m bank, else one fitted on the calib set).")
 @click.option("--calib", multiple=True, help="Calibration caches for KVTC / SZ3-aligned (globs ok; repeatable). "
               "Default: data/calib/*.safetensors if present, else leave-one-out over the inputs.")
 @click.option("--eps-points", help="Comma-separated eps sweep (default: 8 log-spaced points, 0.5% .. 10%).")
