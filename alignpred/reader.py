@@ -41,6 +41,10 @@ from .io import map_file, release_pages
 from .layout import CacheLayout, numpy_dtype
 from .threads import blas_single_thread, default_threads, pool as _pool, stepwise
 
+#: :meth:`KvzReader.read_into` decodes at most this many tokens (rounded up to whole objects)
+#: through every layer at a time, which bounds its working memory.
+TILE_TOKENS = 256
+
 
 class DecoderSession:
     """Decoder set-up shared across files: banks by id, and prediction plans per (bank, codec
@@ -329,13 +333,17 @@ class KvzReader:
             raise KvzError(f"output buffer for {name} has dtype {arr.dtype}; give a floating-point buffer")
         return arr
 
-    def _decode(self, a: int, b: int, sel: list, out=None, tier=None):
+    def _decode(self, a: int, b: int, sel: list, out=None, tier=None, tiled: bool = False):
         """Yield ``(ti, name, array [kv_heads, b-a, d])`` for the tensors of layers ``sel``.
 
         With ``threads > 1`` the objects of the range are split into contiguous groups decoded
         in parallel (objects at different positions are independent; the kernels release the
         GIL); each group writes its rows of the same output arrays, tensor by tensor in step.
-        The decoded bits do not depend on the split (kvz.md §9)."""
+        ``tiled``: each group decodes its objects ``TILE_TOKENS`` at a time through every layer
+        before yielding, so the working set (the earlier layers' reconstructions that later
+        layers are predicted from) is bounded by the tile, not the range; tensors are then
+        yielded only once all are decoded (what :meth:`read_into` wants, not a layer-by-layer
+        stream). The decoded bits do not depend on the split (kvz.md §9)."""
         lay = self.layout
         S = self.config.object_size
         j0, j1 = a // S, -(-b // S)
@@ -361,8 +369,20 @@ class KvzReader:
         def target(g0, g1):
             return lambda ti: dest(ti)[:, (g0 - j0) * S:min(lay.n_tokens, g1 * S) - j0 * S]
 
-        gens = [dec.decode_range(self.metas, self._fetch, g0, g1, sel, out=target(g0, g1), refine_fetch=rf)
-                for g0, g1 in groups]
+        tile = max(1, TILE_TOKENS // S) if tiled else 0
+
+        def group(g0, g1):
+            if not tile or g1 - g0 <= tile:
+                yield from dec.decode_range(self.metas, self._fetch, g0, g1, sel, out=target(g0, g1), refine_fetch=rf)
+                return
+            done: list = []
+            for t0 in range(g0, g1, tile):
+                t1 = min(g1, t0 + tile)
+                done = [(ti, name, None) for ti, name, _ in
+                        dec.decode_range(self.metas, self._fetch, t0, t1, sel, out=target(t0, t1), refine_fetch=rf)]
+            yield from done  # the arrays are the shared destinations (dests), complete now
+
+        gens = [group(g0, g1) for g0, g1 in groups]
         blas = blas_single_thread if self.config.arith == "float" else contextlib.nullcontext
         try:
             if len(gens) == 1:
@@ -425,8 +445,11 @@ class KvzReader:
         return dict(self.iter_layers(tokens, layers, tier=tier))
 
     def read_into(self, out, tokens=None, layers=None, tier=None):
-        """Decode into the caller's buffers (see :meth:`iter_layers`); returns ``out``."""
-        for _ in self.iter_layers(tokens, layers, out, tier):
+        """Decode into the caller's buffers (see :meth:`iter_layers`); returns ``out``. Memory
+        beyond the buffers stays bounded however long the range: tokens are decoded a tile
+        (``TILE_TOKENS``) at a time through every layer."""
+        a, b, sel = self._range(tokens, layers)
+        for _ in self._decode(a, b, sel, out, tier, tiled=True):
             pass
         return out
 

@@ -47,7 +47,7 @@ def _median_time(fn, repeats: int) -> float:
     return float(np.median(ts))
 
 
-def measure(path: str, bank, eps: float, chunk: int, repeats: int) -> dict:
+def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int = 1) -> dict:
     import tracemalloc
 
     import numpy as np
@@ -59,7 +59,7 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int) -> dict:
     T = lay.n_tokens
     blob = compress_bytes(c, eps=eps, bank=bank)
     session = DecoderSession(banks=[bank])
-    r = KvzReader(blob, session=session)
+    r = KvzReader(blob, session=session, threads=threads)
     names = lay.tensor_names()
     dt = c.tensors[names[0]].dtype
     bufs = {n: np.empty((lay.kv_heads, T, lay.head_dim), dt) for n in names}
@@ -87,7 +87,7 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int) -> dict:
 
     def chunk_files():
         for a, b, data in files:
-            KvzReader(data, session=session).read_into({n: bufs[n][:, a:b] for n in names})
+            KvzReader(data, session=session, threads=threads).read_into({n: bufs[n][:, a:b] for n in names})
 
     chunk_files()
     res["chunk_files_s"] = _median_time(chunk_files, repeats)
@@ -144,7 +144,7 @@ def main(argv=None):
     print(f"{'cache':<28} {'tokens':>6} {'whole':>7} {'into':>7} {'ranges':>7} {'chunks':>7}  Mvalues/s; "
           f"{'rng/whole':>9} {'chk/whole':>9} {'ms/chunk':>8} {'mem slope/raw':>13}")
     for p in caches:
-        row = measure(p, bank, a.eps, a.chunk, a.repeats)
+        row = measure(p, bank, a.eps, a.chunk, a.repeats, a.threads)
         rows.append(row)
         m = row["memory"]
         print(f"{row['cache']:<28} {row['tokens']:>6} {row['whole_mvps']:7.1f} {row['whole_into_mvps']:7.1f} "

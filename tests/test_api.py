@@ -66,6 +66,32 @@ def test_decode_into_buffers(cb):
         r.read_into({n: np.zeros((2, 5, 16), np.float16) for n in full}, tokens=(0, 10))
 
 
+def test_read_into_memory_is_bounded_by_a_tile():
+    """read_into decodes a tile of tokens through every layer at a time: decoding the last layer
+    over 8 objects needs about the working memory of one object (the earlier layers'
+    reconstructions are not held for the whole range), and the bits are those of read()."""
+    import tracemalloc
+
+    from alignpred.reader import TILE_TOKENS
+
+    c = synthetic_cache(n_layers=4, heads=1, T=8 * TILE_TOKENS, d=64)
+    bank = fit_bank([synthetic_cache(n_layers=4, heads=1, T=512, d=64, seed=5)], rank=None)
+    r = KvzReader(compress_bytes(c, eps=0.03, bank=bank), bank=bank, threads=1)
+    full = r.read()
+    peaks = {}
+    for n in (TILE_TOKENS, 8 * TILE_TOKENS):
+        out = {f"layers.3.{k}": np.empty((1, n, 64), np.float16) for k in ("key", "value")}
+        r.read_into(out, tokens=(0, n), layers=[3])  # warm (plans, kernels)
+        tracemalloc.start()
+        r.read_into(out, tokens=(0, n), layers=[3])
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        for name in out:
+            assert np.array_equal(out[name], full[name][:, :n])
+    raw_tile = 2 * TILE_TOKENS * 64 * 2  # one tile of layer 3's K+V as fp16
+    assert peaks[8 * TILE_TOKENS] <= peaks[TILE_TOKENS] + raw_tile, peaks
+
+
 def test_torch_in_and_out(cb):
     torch = pytest.importorskip("torch")
     c, bank = cb
