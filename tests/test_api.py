@@ -76,7 +76,8 @@ def test_read_into_memory_is_bounded_by_a_tile():
 
     c = synthetic_cache(n_layers=4, heads=1, T=8 * TILE_TOKENS, d=64)
     bank = fit_bank([synthetic_cache(n_layers=4, heads=1, T=512, d=64, seed=5)], rank=None)
-    r = KvzReader(compress_bytes(c, eps=0.03, bank=bank), bank=bank, threads=1)
+    blob = compress_bytes(c, eps=0.03, bank=bank)
+    r = KvzReader(blob, bank=bank, threads=1)
     full = r.read()
     peaks = {}
     for n in (TILE_TOKENS, 8 * TILE_TOKENS):
@@ -88,6 +89,14 @@ def test_read_into_memory_is_bounded_by_a_tile():
         tracemalloc.stop()
         for name in out:
             assert np.array_equal(out[name], full[name][:, :n])
+    # a range that starts and ends inside objects, all layers, tiled on one thread and split on two
+    a, b = 100, 7 * TILE_TOKENS + 30
+    for threads in (1, 2):
+        rt = KvzReader(blob, bank=bank, threads=threads)
+        out = {n: np.full((1, b - a, 64), np.nan, np.float16) for n in full}
+        rt.read_into(out, tokens=(a, b))
+        for n in full:
+            assert np.array_equal(out[n], full[n][:, a:b]), (threads, n)
     raw_tile = 2 * TILE_TOKENS * 64 * 2  # one tile of layer 3's K+V as fp16
     assert peaks[8 * TILE_TOKENS] <= peaks[TILE_TOKENS] + raw_tile, peaks
 
