@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from alignpred.threads import default_threads, pool
+from alignpred.threads import pool
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 
@@ -27,7 +27,3 @@ def test_pool_after_fork():
     assert not alive, "a forked child hung on the parent's thread pool"
     assert p.exitcode == 0 and q.get(timeout=5) == 285
     assert sum(pool(2).map(abs, range(-3, 3))) == 9       # and the parent's pool still works
-
-
-def test_default_threads_positive():
-    assert default_threads() >= 1
