@@ -635,6 +635,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(out["rows"], indent=1))
         full = Path(args.json).with_suffix(".full.json")
         full.write_text(json.dumps({k: v for k, v in out.items()}, indent=1, default=float))
+        Path(args.json).with_suffix(".partial.json").unlink(missing_ok=True)  # the run's checkpoint, now complete
     md = to_markdown(out, cmd)
     if args.md:
         Path(args.md).write_text(md)
