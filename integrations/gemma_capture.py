@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import capture as _cap
+from .hf_rope import text_config
 
 MODEL_ID = "gemma-3-270m"
 FORMAT_NAME = "kvz-cache"
@@ -181,11 +182,6 @@ def tokenize(tokenizer, text: str) -> list[int]:
     return _cap.tokenize(tokenizer, text)
 
 
-def _text_config(model):
-    cfg = model.config
-    return getattr(cfg, "text_config", None) or cfg
-
-
 def layer_info(config) -> tuple[list[str], list[float]]:
     """Per-layer attention types and RoPE base frequencies from a Gemma 3 config.
 
@@ -256,7 +252,7 @@ def capture(
     s = _cap.capture_model(model, tokenizer, text, out_path, dtype=dtype, chunk=chunk, model_id=MODEL_ID,
                            max_tokens=tokens, source=source, progress=progress)
     try:
-        s["rope_theta"] = layer_info(_text_config(model))[1]
+        s["rope_theta"] = layer_info(text_config(model.config))[1]
     except NotImplementedError:
         s["rope_theta"] = None
     return s

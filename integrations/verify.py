@@ -35,7 +35,6 @@ The drafter can be anything: a poor drafter costs acceptance, never correctness.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import os
 import time
@@ -43,6 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .hf_bridge import cache_kwarg as _cache_kw
+from .hf_bridge import new_cache, text_config
 from .pager import KvPager, kv_bytes
 
 __all__ = ["DraftCache", "PagedFullKV", "VeriCacheDecoder", "GenerationResult", "RoundLog", "greedy_reference",
@@ -51,22 +52,6 @@ __all__ = ["DraftCache", "PagedFullKV", "VeriCacheDecoder", "GenerationResult", 
 
 
 # ================================================================================== model plumbing
-
-def text_config(model):
-    cfg = model.config
-    return getattr(cfg, "text_config", None) or cfg
-
-
-def _cache_kw(model) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def new_cache(model):
-    """An empty ``DynamicCache`` laid out for ``model`` (sliding layers where the model has them)."""
-    from transformers import DynamicCache
-
-    return DynamicCache(config=text_config(model))
-
 
 def build_cache(model, *parts):
     """A fresh cache holding, per layer, the concatenation along positions of ``parts`` (each a list
