@@ -133,6 +133,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loader.json"))
     a = ap.parse_args(argv)
     _pin(a.threads)
+    from alignpred import KvzError
     from alignpred.banks import find as find_bank
     from alignpred.io import atomic_write
 
@@ -144,7 +145,10 @@ def main(argv=None):
     print(f"{'cache':<28} {'tokens':>6} {'whole':>7} {'into':>7} {'ranges':>7} {'chunks':>7}  Mvalues/s; "
           f"{'rng/whole':>9} {'chk/whole':>9} {'ms/chunk':>8} {'mem slope/raw':>13}")
     for p in caches:
-        row = measure(p, bank, a.eps, a.chunk, a.repeats, a.threads)
+        try:
+            row = measure(p, bank, a.eps, a.chunk, a.repeats, a.threads)
+        except KvzError as e:
+            ap.error(str(e))
         rows.append(row)
         m = row["memory"]
         print(f"{row['cache']:<28} {row['tokens']:>6} {row['whole_mvps']:7.1f} {row['whole_into_mvps']:7.1f} "
