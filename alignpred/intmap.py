@@ -199,6 +199,7 @@ def _i32_as_f32(typingctx, v):
 _MAGIC32 = np.float32(1.5 * 2 ** 23)     # (v + M) - M: v rounded half to even, |v| < 2**22
 _MAGIC64 = 1.5 * 2.0 ** 52
 _XQ_MAX_F = float(XQ_MAX)
+_WQ_MAX_F = float(WQ_MAX)
 _NONFINITE = np.int64(0x7FF0000000000000)
 
 
@@ -273,6 +274,110 @@ def _row_scales(shift: np.ndarray):
     pscale = np.ldexp(1.0, -shift.astype(np.int32))
     lo, hi = (int(shift.min()), int(shift.max())) if shift.size else (0, 0)
     return pscale, pscale.astype(np.float32), lo, hi
+
+
+# --------------------------------------------------------------------------------------------
+# weights, compiled
+
+@njit(cache=True, nogil=True)
+def _prepare_weights(W, n_src, shift_in, use_shift, shift, wp, w_exp):
+    """:func:`channel_shifts` + :func:`quantize_weights` + :func:`pack_weights` in one pass (the
+    same integers: every step is exact or one correctly rounded IEEE operation, as in numpy).
+
+    ``W [n_src*d_in, d_out]`` float32/float64; ``shift_in`` int32 [n_src, d_in] used when
+    ``use_shift``; writes ``shift`` int32 [n_src, d_in], ``wp`` int16 [n_src, KP, mp, 2] (zeroed
+    by the caller) and ``w_exp`` int32 [n_src, d_out]."""
+    d_in = W.shape[0] // n_src
+    m = W.shape[1]
+    cm = np.empty(m, np.float64)
+    scale = np.empty(m, np.float64)
+    exps = np.empty(d_in, np.int64)
+    for s in range(n_src):
+        r0 = s * d_in
+        if use_shift:
+            for k in range(d_in):
+                shift[s, k] = shift_in[s, k]
+        else:
+            # channel_shifts: frexp exponent of each row's max |W| (rows with a nan/inf or all
+            # zeros: shift 0), median over the others, clipped
+            nn = 0
+            for k in range(d_in):
+                rm = 0.0
+                bad = False
+                for j in range(m):
+                    a = abs(np.float64(W[r0 + k, j]))
+                    if a != a:
+                        bad = True
+                    elif a > rm:
+                        rm = a
+                if bad or not (0.0 < rm < np.inf):
+                    shift[s, k] = 1 << 30          # marker: no shift
+                else:
+                    e = math.frexp(rm)[1]
+                    shift[s, k] = e
+                    exps[nn] = e
+                    nn += 1
+            med = 0
+            if nn:
+                srt = np.sort(exps[:nn])
+                med = srt[(nn - 1) // 2]
+            for k in range(d_in):
+                e = shift[s, k]
+                shift[s, k] = 0 if e == 1 << 30 else min(max(med - e, -SHIFT_MAX), SHIFT_MAX)
+        # per column: the largest |w| (w = W * 2**shift exactly; non-finite -> 0)
+        for j in range(m):
+            cm[j] = 0.0
+        for k in range(d_in):
+            p = _pow2(np.int64(shift[s, k]))
+            for j in range(m):
+                a = abs(np.float64(W[r0 + k, j]) * p)
+                if a < np.inf and a > cm[j]:
+                    cm[j] = a
+        for j in range(m):
+            e = math.frexp(cm[j])[1] - (BW - 1)
+            w_exp[s, j] = e
+            scale[j] = _pow2(np.int64(-e)) if -1022 <= -e <= 1023 else 0.0
+        for k in range(d_in):
+            p = _pow2(np.int64(shift[s, k]))
+            kp = k >> 1
+            e2 = k & 1
+            for j in range(m):
+                w = np.float64(W[r0 + k, j]) * p
+                if not abs(w) < np.inf:
+                    w = 0.0
+                sc = scale[j]
+                v = w * sc if sc != 0.0 else math.ldexp(w, -w_exp[s, j])
+                q = np.rint(v)
+                q = min(max(q, -_WQ_MAX_F), _WQ_MAX_F)
+                wp[s, kp, j, e2] = np.int16(q)
+
+
+def prepare_weights(W: np.ndarray, n_src: int = 1, shift: np.ndarray | None = None):
+    """``(wp, w_exp, shift)``: :func:`pack_weights` of :func:`quantize_weights` in one compiled
+    pass (about 15x faster; the same integers — tests compare the two on random, degenerate and
+    real maps).
+
+    >>> W = np.array([[1.0, 0.5], [-0.25, 3.0]], np.float32)
+    >>> wp, we, sh = prepare_weights(W)
+    >>> wq, we2, sh2 = quantize_weights(W)
+    >>> bool((wp == pack_weights(wq)).all() and (we == we2).all() and (sh == sh2).all())
+    True
+    """
+    W = np.asarray(W)
+    if W.ndim != 2 or W.dtype not in (np.float16, np.float32, np.float64):
+        raise TypeError("W must be a 2-D float16/float32/float64 array")
+    d_in = W.shape[0] // n_src
+    if d_in * n_src != W.shape[0]:
+        raise ValueError(f"W has {W.shape[0]} rows, not a multiple of n_src={n_src}")
+    d_out = W.shape[1]
+    Wc = np.ascontiguousarray(W, np.float64 if W.dtype == np.float64 else np.float32)  # exact
+    use = shift is not None
+    sh_in = np.asarray(shift, np.int32).reshape(n_src, d_in) if use else np.zeros((n_src, d_in), np.int32)
+    sh = np.empty((n_src, d_in), np.int32)
+    wp = np.zeros((n_src, (d_in + 1) // 2, -(-d_out // 16) * 16, 2), np.int16)
+    w_exp = np.empty((n_src, d_out), np.int32)
+    _prepare_weights(Wc, n_src, sh_in, use, sh, wp, w_exp)
+    return wp, w_exp, sh
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,9 +640,9 @@ class IntMap:
     """
 
     def __init__(self, W: np.ndarray, n_src: int = 1, shift: np.ndarray | None = None):
-        wq, self.w_exp, self.shift = quantize_weights(W, n_src, shift)
-        self.n_src, self.d_out, self.d_in = wq.shape
-        self.wp = pack_weights(wq)
+        self.wp, self.w_exp, self.shift = prepare_weights(W, n_src, shift)
+        self.n_src, self.d_out = self.w_exp.shape
+        self.d_in = self.shift.shape[1]
         self._scales = [_row_scales(self.shift[s]) for s in range(self.n_src)]
 
     def quantize(self, srcs, xq: np.ndarray | None = None):

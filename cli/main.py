@@ -326,8 +326,32 @@ def _register_optional():
 _register_optional()
 
 
+def _skip_numba_blas_probe() -> None:
+    """Start-up time of the CLI process.
+
+    numba's first compile or cache load in a process imports ``numba.np.arraymath``, whose BLAS
+    probe imports all of ``scipy.linalg`` (0.4 s on the project machine: more than decoding a
+    2,048-token cache). The probe's only use is to pick BLAS for ``np.cov``/``np.correlate`` in
+    jitted code, which kvz never calls (its kernels are integer/own code; ``np.dot`` in jitted
+    code still finds BLAS when compiled). So the CLI imports that module with ``scipy.linalg``
+    hidden for the moment, and ``scipy.linalg`` imports normally afterwards. The library does not
+    do this: it would change numba for a host application's own jitted code.
+    """
+    if "numba.np.arraymath" in sys.modules or "scipy.linalg" in sys.modules:
+        return
+    sys.modules["scipy.linalg"] = None  # type: ignore[assignment]  # import -> ImportError
+    try:
+        import numba.np.arraymath  # noqa: F401
+    except Exception:  # a numba that probes differently: no harm, it imports again later
+        pass
+    finally:
+        if "scipy.linalg" in sys.modules and sys.modules["scipy.linalg"] is None:
+            del sys.modules["scipy.linalg"]
+
+
 def main():
     warnings.showwarning = _show_warning  # one line on stderr, no source line
+    _skip_numba_blas_probe()
     cli(prog_name="kvz")
 
 

@@ -1,5 +1,7 @@
 """The kvz command line: round trip, JSON output, one-line errors without tracebacks."""
 import json
+import subprocess
+import sys
 
 import numpy as np
 from click.testing import CliRunner
@@ -69,3 +71,22 @@ def test_errors_are_one_line(tmp_path):
         assert "Traceback" not in res.output
         lines = [ln for ln in res.output.strip().splitlines() if ln]
         assert len(lines) == 1 and lines[0].startswith("Error:"), res.output
+
+
+def test_cli_start_skips_numba_blas_probe():
+    """The CLI's start-up shortcut: numba's first kernel load no longer imports scipy.linalg
+    (0.4 s), and afterwards scipy.linalg and numba's own BLAS-backed np.dot still work."""
+    code = (
+        "import sys, numpy as np\n"
+        "from kvz.cli.main import _skip_numba_blas_probe\n"
+        "_skip_numba_blas_probe()\n"
+        "from alignpred.intmap import quantize_rows\n"
+        "quantize_rows(np.ones((1, 2), np.float32))\n"
+        "assert 'numba.np.arraymath' in sys.modules and 'scipy.linalg' not in sys.modules\n"
+        "import numba, scipy.linalg\n"
+        "assert abs(scipy.linalg.det(2 * np.eye(2)) - 4) < 1e-12\n"
+        "dot = numba.njit(lambda a, b: np.dot(a, b))\n"
+        "assert (dot(np.eye(2), 3 * np.eye(2)) == 3 * np.eye(2)).all()\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -64,6 +64,61 @@ def test_quantize_weights_properties():
     assert all((u == v).all() for u, v in zip(a, b))
 
 
+def _assert_prepared_like_reference(W, n, shift=None):
+    wq, we, sh = im.quantize_weights(W, n, shift)
+    got = im.prepare_weights(W, n, shift)
+    for want, have in zip((im.pack_weights(wq), we, sh), got):
+        assert want.shape == have.shape and want.dtype == have.dtype
+        assert np.array_equal(want, have)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_prepare_weights_matches_numpy_definition(dtype):
+    """The compiled one-pass weight preparation gives the integers of channel_shifts +
+    quantize_weights + pack_weights (their numpy code is the definition), with and without
+    given shifts, over odd sizes and a wide range of row scales."""
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 3):
+        for K, m in ((5, 3), (6, 17), (33, 48), (64, 32)):
+            with np.errstate(over="ignore"):
+                W = (rng.standard_normal((n * K, m)) * np.exp(rng.uniform(-20, 20, (n * K, 1)))).astype(dtype)
+            _assert_prepared_like_reference(W, n)
+            _assert_prepared_like_reference(W, n, rng.integers(-im.SHIFT_MAX, im.SHIFT_MAX + 1, (n, K)))
+
+
+def test_prepare_weights_degenerate_inputs():
+    rng = np.random.default_rng(4)
+    _assert_prepared_like_reference(np.zeros((8, 16)), 2)
+    W = rng.standard_normal((8, 16))
+    W[1, 3], W[5, 5] = np.nan, -np.inf
+    W[2, :] = np.inf
+    _assert_prepared_like_reference(W, 2)
+    _assert_prepared_like_reference(W.astype(np.float32), 1)
+    _assert_prepared_like_reference(rng.standard_normal((8, 16)) * 1e-310, 2)   # subnormal weights
+    W = rng.standard_normal((8, 16)) * 1e300
+    W[0, 0] = 1e-300
+    _assert_prepared_like_reference(W, 1)
+    W = rng.standard_normal((8, 16))
+    W[:, 4] *= 1e-320                                  # a column whose scale 2**-e is not a float64
+    _assert_prepared_like_reference(W, 1)
+    with pytest.raises(ValueError):
+        im.prepare_weights(np.zeros((5, 4), np.float32), 2)
+
+
+def test_prepare_weights_on_the_bundled_bank():
+    """Every map of the bundled bank prepares to the reference integers."""
+    from alignpred import Bank
+
+    bank = Bank.load(os.path.join(ROOT, "alignpred", "banks", "gemma-3-270m.h5"))
+    n = 0
+    for name in bank.config["sources"]:
+        f = bank.map_factors(name)
+        if f is not None and f[1] is None:
+            _assert_prepared_like_reference(f[0], len(bank.sources(name)))
+            n += 1
+    assert n >= 30
+
+
 def test_channel_shifts_balance_rows():
     W = np.ones((4, 3), np.float32) * np.array([[1.0], [1 / 64], [8.0], [0.0]], np.float32)
     assert im.channel_shifts(W).tolist() == [[0, 6, -3, 0]]
