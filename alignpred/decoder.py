@@ -44,7 +44,7 @@ class Decoder(Chain):
         lay = self.layout
         S = self.config.object_size
         start = j0 * S
-        q = np.zeros((lay.kv_heads * lay.head_dim, n_rows), np.int32)
+        q = np.empty((lay.kv_heads * lay.head_dim, n_rows), np.int32)
         deltas = np.empty(j1 - j0, np.float32)
         zero = np.zeros(j1 - j0, bool)
         for j in range(j0, j1):
@@ -53,10 +53,12 @@ class Decoder(Chain):
             if entry.n_tokens != min(S, lay.n_tokens - j * S):
                 raise FormatError(f"{what}: object {j} has the wrong length")
             deltas[j - j0] = entry.delta
+            cols = q[:, a:a + entry.n_tokens]
             if entry.flags & OBJ_ZERO:
                 zero[j - j0] = True
-            else:
-                q[:, a:a + entry.n_tokens] = entropy.decode(payload, models, (q.shape[0], entry.n_tokens), self.coder)
+                cols[...] = 0
+            else:  # straight into its columns of q
+                entropy.decode(payload, models, cols.shape, self.coder, out=cols)
         return q, deltas, zero
 
     def decode_range(self, metas: list, fetch, j0: int, j1: int, layers=None, out=None, refine_fetch=None):

@@ -205,8 +205,10 @@ def _payload_words(buf) -> np.ndarray:
 
 
 def decode(buf, model_ids: np.ndarray, shape: tuple[int, int],
-           coder: str = "rans4") -> np.ndarray:
+           coder: str = "rans4", out: np.ndarray | None = None) -> np.ndarray:
     """Inverse of :func:`encode`: returns int32 [C, N]; raises FormatError on any inconsistency.
+    ``out``: an int32 ``[C, N]`` array (any strides, e.g. a column slice of a larger array) to
+    decode into; its contents are undefined after an error.
 
     >>> ids = np.array([3, 200], np.uint8)
     >>> q = np.array([[1, -2, 3], [-(2**31), 0, 2**31 - 1]], np.int32)
@@ -236,19 +238,26 @@ def decode(buf, model_ids: np.ndarray, shape: tuple[int, int],
     if C * N == 0:
         if raw.size:
             raise FormatError("non-empty payload for an empty object")
-        return np.zeros((C, N), np.int32)
+        return np.zeros((C, N), np.int32) if out is None else out
     t = _load_tables()
     if coder == "rans4":
         if raw.size % 4 or raw.size < rans.STATE_BYTES:
             raise FormatError(f"rans4 payload length {raw.size} is invalid")
         words = raw.view("<u4").astype(np.uint32, copy=False)
-        out = np.empty((C, N), np.int32)
+        if out is None:
+            out = np.empty((C, N), np.int32)
+        elif out.shape != (C, N) or out.dtype != np.int32:
+            raise ValueError(f"out must be int32 {(C, N)}, got {out.dtype} {out.shape}")
         err = rans.decode_kernel(words, ids, t.coarse, t.cumhi, t.packed, t.base, t.nbits, out)
         if err != rans.ERR_OK:
             raise FormatError(f"rans4 payload invalid: {rans.ERROR_TEXT[err]}")
         return out
     if coder == "constriction":
-        return _decode_constriction(raw, ids, C, N)
+        res = _decode_constriction(raw, ids, C, N)
+        if out is None:
+            return res
+        out[...] = res
+        return out
     raise FormatError(f"unknown coder {coder!r}")
 
 

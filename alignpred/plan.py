@@ -55,6 +55,12 @@ class BlockPlan:
 
         if len(kinds) == 1:
             return np.asarray(base(kinds[0]), np.float32)
+        if len(kinds) == 2 and kinds[0] == ZERO and (bases is None or kinds[1] not in bases):
+            # one predictor and some ZERO channels: zero those columns of its fresh prediction
+            # (the values np.where below would give, without a second [n, d] pass)
+            out = np.asarray(base(kinds[1]), np.float32)
+            out[:, ids == ZERO] = 0.0
+            return out
         out = np.zeros((n, self.mean.shape[0]), np.float32)
         for bb in kinds:
             if bb != ZERO:

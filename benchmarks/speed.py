@@ -1051,6 +1051,73 @@ def profile_decode(codec: KvzCodec, top: int = 15) -> dict:
             "top_cumulative": [e for e in cum if "alignpred" in e["function"]][:top]}
 
 
+def bound_section(codec: KvzCodec, reps: int = 5) -> dict:
+    """How fast a one-thread decode can be with exact map products on this core.
+
+    In one single-thread ``read()`` the integer map products (``alignpred.intmap._map_predict``)
+    are timed and their multiply-adds counted (``sources x d_in x d_out`` per row, padding
+    included); next to them, in the same process, torch's bf16 GEMM on the same shapes (oneDNN,
+    one thread; ``vdpbf16ps``/AMX where the CPU has them) as a reference for the core's
+    dot-product peak. The bound: the read's values / (its multiply-adds / peak rate) is the
+    values/s a decode would reach if everything but the map products were free."""
+    from alignpred import intmap
+
+    calls: list = []
+    orig = intmap._map_predict
+
+    def timed(xq, x_exp, wp, w_exp, out):
+        t0 = time.perf_counter()
+        orig(xq, x_exp, wp, w_exp, out)
+        calls.append((xq.shape[0] * xq.shape[2] * xq.shape[1] * out.shape[1], time.perf_counter() - t0,
+                      (xq.shape[0], xq.shape[1], xq.shape[2], out.shape[1])))
+
+    walls = []
+    for _ in range(reps):
+        calls.clear()
+        intmap._map_predict = timed
+        try:
+            t0 = time.perf_counter()
+            arrays = codec.decode(1)
+            walls.append((time.perf_counter() - t0, sum(c[1] for c in calls)))
+        finally:
+            intmap._map_predict = orig
+    n_values = sum(np.asarray(a).size for a in arrays.values())
+    macs = sum(c[0] for c in calls)
+    wall, t_maps = sorted(walls)[len(walls) // 2]
+    out = {"values": n_values, "macs": macs, "macs_per_value": macs / n_values, "read_s": wall,
+           "map_products_s": t_maps, "kernel_gmacs": macs / t_maps / 1e9, "map_share": t_maps / wall,
+           "rest_s": wall - t_maps, "rest_ns_per_value": (wall - t_maps) / n_values * 1e9,
+           "shapes": sorted({c[2] for c in calls})}
+    try:
+        import torch
+    except ImportError:
+        out["bf16_reference"] = None
+        return out
+    nt = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = 0.0
+        for S, n, K2, m in out["shapes"]:
+            a = torch.randn(n, S * K2).to(torch.bfloat16)
+            b = torch.randn(S * K2, m).to(torch.bfloat16)
+            a @ b
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    a @ b
+                ts.append((time.perf_counter() - t0) / 5)
+            best = max(best, n * S * K2 * m / min(ts) / 1e9)
+    finally:
+        torch.set_num_threads(nt)
+    out["bf16_reference"] = {"gmacs": best, "torch": torch.__version__}
+    peak = max(best, out["kernel_gmacs"])
+    out["peak_gmacs"] = peak
+    out["map_floor_s"] = macs / (peak * 1e9)
+    out["max_vps_maps_only"] = n_values / out["map_floor_s"]
+    return out
+
+
 # ============================================================================ acceptance
 
 def _agg(rows, codec, op, th):
@@ -1329,6 +1396,24 @@ def markdown(res: dict) -> str:
               "| threads | restore s | restore / prefill | Mv/s |", "| --- | --- | --- | --- |"]
         for th, t in rs["restore"].items():
             L.append(f"| {th} | {t['wall_s']:.3f} | {t['fraction_of_prefill'] * 100:.2f}% | {t['vps'] / 1e6:.1f} |")
+    bd = res.get("bound")
+    if bd:
+        sz1 = _agg(res.get("aggregate", []), "sz3", "decode", 1)
+        L += ["", f"## How fast one thread can decode with exact map products ({bd['cache']})", "",
+              f"One single-thread read(): {bd['values'] / 1e6:.1f} M values in {bd['read_s']:.3f} s; the integer map "
+              f"products do {bd['macs'] / 1e9:.2f} G multiply-adds ({bd['macs_per_value']:.0f} per decoded value) in "
+              f"{bd['map_products_s']:.3f} s ({bd['kernel_gmacs']:.1f} GMAC/s, {bd['map_share']:.0%} of the read); "
+              f"everything else takes {bd['rest_s']:.3f} s ({bd['rest_ns_per_value']:.2f} ns per value)."]
+        ref = bd.get("bf16_reference")
+        if ref:
+            L += ["", f"torch {ref['torch']} bf16 GEMM on the same shapes, one thread: {ref['gmacs']:.1f} GMAC/s. At "
+                  f"the faster of the two ({bd['peak_gmacs']:.1f} GMAC/s) the map products alone need "
+                  f"{bd['map_floor_s']:.3f} s: a decode could reach at most {bd['max_vps_maps_only'] / 1e6:.1f} M "
+                  "values/s if everything else were free" +
+                  (f" = {bd['max_vps_maps_only'] / sz1['vps']:.2f}x SZ3's single-thread decode in this run "
+                   f"({sz1['vps'] / 1e6:.1f} M values/s); 0.6x SZ3 leaves "
+                   f"{(bd['values'] / (0.6 * sz1['vps']) - bd['map_floor_s']) / bd['values'] * 1e9:.2f} ns per value "
+                   f"for the rest (measured {bd['rest_ns_per_value']:.2f})" if sz1 else "") + "."]
     pf = res.get("profile")
     if pf:
         L += ["", f"## Profile of one single-thread decode ({pf['wall_s_profiled']:.2f} s under cProfile)", "",
@@ -1347,7 +1432,7 @@ def default_caches() -> list[str]:
 
 
 def run(preset: str = "full", caches: list[str] | None = None, *, bank: str = BANK, codecs=CODECS,
-        sections=("codecs", "processes", "cli", "restore", "profile"), kvz01: str = KVZ01_DIR,
+        sections=("codecs", "processes", "cli", "restore", "profile", "bound"), kvz01: str = KVZ01_DIR,
         overrides: dict | None = None, json_out: str | None = None, plot_out: str | None = None,
         md_out: str | None = None, command: str | None = None, progress: bool = True) -> dict:
     """The whole benchmark; returns the results (and writes what was asked)."""
@@ -1418,6 +1503,14 @@ def run(preset: str = "full", caches: list[str] | None = None, *, bank: str = BA
         c.decode(1)
         res["profile"] = profile_decode(c)
         res["profile"]["cache"] = loaded[0][0]
+        del c
+        save()
+    if "bound" in sections and "kvz" in codecs:
+        log("one-thread bound of exact map products ...")
+        c = KvzCodec(loaded[0][1], kbank)
+        c.encode(n_all)
+        res["bound"] = bound_section(c)
+        res["bound"]["cache"] = loaded[0][0]
         del c
         save()
     if "processes" in sections:
@@ -1524,7 +1617,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--md", default=None, help="Markdown summary (default: next to the JSON)")
     ap.add_argument("--bank", default=BANK)
     ap.add_argument("--codecs", default=",".join(CODECS), help=f"subset of {','.join(CODECS)}")
-    ap.add_argument("--sections", default="codecs,profile,processes,cli,restore")
+    ap.add_argument("--sections", default="codecs,profile,bound,processes,cli,restore")
     ap.add_argument("--kvz01", default=KVZ01_DIR, help=f"kvz 0.1 tree (a worktree of {KVZ01_COMMIT}; made if absent)")
     ap.add_argument("--prefill-tokens", type=int)
     ap.add_argument("--rounds", type=int)

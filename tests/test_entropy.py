@@ -322,3 +322,19 @@ def test_choose_models_is_argmin_and_deterministic():
     h, r = E.histogram(q)
     np.testing.assert_array_equal(h, h1 + h2)
     np.testing.assert_array_equal(r, r1 + r2)
+
+
+@pytest.mark.parametrize("coder", ["rans4", "constriction"])
+def test_decode_into_a_column_slice(coder):
+    """decode(out=) writes a strided view (an object's columns of a tensor's symbol array) with
+    the values decode() returns, and leaves the other columns alone."""
+    rng = np.random.default_rng(7)
+    q = rng.integers(-40, 40, (6, 12)).astype(np.int32)
+    ids = rng.integers(0, E.N_MODELS, 6).astype(np.uint8)
+    buf = E.encode(q, ids, coder)
+    big = np.full((6, 30), -7, np.int32)
+    got = E.decode(buf, ids, (6, 12), coder, out=big[:, 9:21])
+    assert np.array_equal(got, q) and np.array_equal(big[:, 9:21], q)
+    assert (big[:, :9] == -7).all() and (big[:, 21:] == -7).all()
+    with pytest.raises(ValueError):
+        E.decode(buf, ids, (6, 12), coder, out=np.empty((6, 11), np.int32))

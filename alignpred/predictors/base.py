@@ -27,4 +27,6 @@ class Predictor:
         pass
 
     def base(self, plan, recon: dict) -> np.ndarray | None:
+        """The base prediction ``[n, d]`` of ``plan``'s block from the reconstructions ``recon``:
+        a new array, which the caller may modify (never a view of ``recon`` or of plan data)."""
         raise NotImplementedError
