@@ -49,6 +49,7 @@ import os
 import pstats
 import resource
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -74,6 +75,7 @@ SCHEMA = "kvz-speed/1"
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 CODECS = ("kvz", "sz3", "fp8_e4m3", "zstd-3", "zstd-19", "lmcache_k16v8")
 BLAS1 = "OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1"
+BATCH_FILES = 8   # `kvz decompress` of this many files in one call (the start-up paid once)
 ENV_TOLERANCE = 0.05  # a default-environment run more than 5 % slower than the single-thread-BLAS one is flagged
 
 # the two presets; every count can be overridden on the command line
@@ -666,9 +668,14 @@ COLD = r'''
 import json, sys, time
 t0 = time.perf_counter()
 a = json.loads(sys.argv[1])
-import kvz.cli.main  # noqa: F401  (what `kvz` imports)
+import kvz.cli.main as m  # (what `kvz` imports)
 from alignpred import KvzReader
 t1 = time.perf_counter()
+m._skip_numba_blas_probe()  # as `kvz` does first
+from alignpred.intmap import quantize_rows
+import numpy as np
+quantize_rows(np.ones((1, 2), np.float32))  # numba's one-time set-up (first kernel load in a process)
+tn = time.perf_counter()
 r = KvzReader(a["src"])
 t2 = time.perf_counter()
 r.decoder
@@ -677,8 +684,9 @@ r.decompress_to(a["dst"])
 t4 = time.perf_counter()
 r.decompress_to(a["dst"])
 t5 = time.perf_counter()
-print("KVZ-SPEED-RESULT " + json.dumps({"import_s": t1 - t0, "open_s": t2 - t1, "bank_and_plans_s": t3 - t2,
-                                        "first_decompress_s": t4 - t3, "second_decompress_s": t5 - t4}))
+print("KVZ-SPEED-RESULT " + json.dumps({"import_s": t1 - t0, "numba_setup_s": tn - t1, "open_s": t2 - tn,
+                                        "bank_and_plans_s": t3 - t2, "first_decompress_s": t4 - t3,
+                                        "second_decompress_s": t5 - t4}))
 '''
 
 
@@ -919,9 +927,17 @@ def cli_section(cache, bank, *, rounds: int = 3, eps: float = EPS, progress: boo
             raise RuntimeError(f"cold-start breakdown failed: {p.stderr[-1000:]}")
         phases.append(json.loads(line.split(" ", 1)[1]))
 
+    batch_dir = os.path.join(tmp, "batch")
+    os.mkdir(batch_dir)
+    batch = []
+    for i in range(BATCH_FILES):  # copies of one file: a batch of equal work
+        batch.append(os.path.join(tmp, f"cache{i}.kvz"))
+        shutil.copyfile(src, batch[-1])
     KvzReader(src, bank=bank).read()  # warm
     sub(["decompress", src, "-o", dst, "--force", "-q"])()  # warm (numba cache, page cache)
     ops = [Op("kvz decompress (CLI)", "decode", 0, sub(["decompress", src, "-o", dst, "--force", "-q"])),
+           Op(f"kvz decompress, {BATCH_FILES} files in one call", "decode", 0,
+              sub(["decompress", *batch, "-o", batch_dir, "--force", "-q"])),
            Op("kvz --help (process start)", "start", 0, sub(["--help"])),
            Op("python -c pass (interpreter)", "start", 0, lambda: subprocess.run([sys.executable, "-c", "pass"],
                                                                               env=env, cwd=tmp, check=True)),
@@ -947,10 +963,10 @@ def cli_section(cache, bank, *, rounds: int = 3, eps: float = EPS, progress: boo
     res["cold_start_phases"] = {k: median([p[k] for p in phases]) for k in phases[0]} if phases else {}
     res["ratio_incl_start"] = res["cli_vps"] / res["inproc_read_vps"]
     res["ratio_excl_start"] = res["cli_vps_excl_start"] / res["inproc_read_vps"]
-    for p in (src, dst, dst + ".cold"):
-        if os.path.exists(p):
-            os.remove(p)
-    os.rmdir(tmp)
+    res["batch_files"] = BATCH_FILES
+    res["cli_batch_vps"] = BATCH_FILES * n / t[f"kvz decompress, {BATCH_FILES} files in one call"]
+    res["ratio_batch"] = res["cli_batch_vps"] / res["inproc_read_vps"]
+    shutil.rmtree(tmp, ignore_errors=True)
     return res
 
 
@@ -1158,7 +1174,9 @@ def acceptance(res: dict) -> list[dict]:
         add("CLI kvz decompress >= 50% of in-process (2,048 tokens)", cli["ratio_incl_start"] >= 0.5,
             cli["ratio_incl_start"], f"process start included {cli['ratio_incl_start']:.2f}, excluded "
             f"{cli['ratio_excl_start']:.2f} (CLI {cli['cli_vps'] / 1e6:.1f}, in-process read "
-            f"{cli['inproc_read_vps'] / 1e6:.1f} Mv/s); by CPU time {rcpu:.2f}", rcpu >= 0.5)
+            f"{cli['inproc_read_vps'] / 1e6:.1f} Mv/s); by CPU time {rcpu:.2f}" +
+            (f"; {cli['batch_files']} files in one call: {cli['ratio_batch']:.2f}" if "ratio_batch" in cli else ""),
+            rcpu >= 0.5)
     env = (res.get("processes") or {}).get("env")
     if env and env.get("variants"):
         def worst(what):
@@ -1382,6 +1400,9 @@ def markdown(res: dict) -> str:
               f"{cli['cli_vps_excl_start'] / 1e6:.1f} without; in-process read {cli['inproc_read_vps'] / 1e6:.1f} "
               f"Mv/s: ratio {cli['ratio_incl_start']:.2f} / {cli['ratio_excl_start']:.2f}. (CPU of the "
               f"subprocesses: {cli['children_cpu_s']:.1f} s in all.)"]
+        if "ratio_batch" in cli:
+            L += ["", f"`kvz decompress` of {cli['batch_files']} such files in one call: "
+                  f"{cli['cli_batch_vps'] / 1e6:.1f} Mv/s, {cli['ratio_batch']:.2f}x of in-process read()."]
         ph = cli.get("cold_start_phases") or {}
         if ph:
             L += ["", "Where a fresh process spends its time (medians): " + ", ".join(

@@ -157,48 +157,89 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
 
 
 @cli.command()
-@click.argument("src", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="Output safetensors.")
-@click.option("--bank", type=click.Path(dir_okay=False), help="Bank the file was written with (if not embedded).")
+@click.argument("srcs", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="SRC...")
+@click.option("-o", "--output", "out", type=click.Path(),
+              help="Output safetensors (one SRC), or an existing directory (several).")
+@click.option("--bank", type=click.Path(dir_okay=False), help="Bank the files were written with (if not embedded).")
 @click.option("--tokens", help="Token range A:B to decode (default: all).")
 @click.option("--layers", type=int, help="Decode only the first N layers.")
 @click.option("--tier", type=click.Choice(["coarse", "exact"]),
               help="Tier of a --lossless file (default: the best it has).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Decode threads (default: the cores available; the output does not depend on it).")
-@click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("-f", "--force", is_flag=True, help="Replace outputs that exist.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("-q", "--quiet", is_flag=True)
 @_errors
-def decompress(src, out, bank, tokens, layers, tier, threads, force, as_json, quiet):
-    """Decode a .kvz file back to safetensors (same names, shapes and dtypes).
+def decompress(srcs, out, bank, tokens, layers, tier, threads, force, as_json, quiet):
+    """Decode .kvz files back to safetensors (same names, shapes and dtypes).
 
-    OUT defaults to SRC with .safetensors; an existing file (the original cache, typically) is
-    never replaced without --force. Streams in bounded memory: 2,048 positions of every layer at a
-    time (decoded on all threads), each slice written at its place in a temporary file renamed
-    over OUT at the end."""
-    out = out or os.path.splitext(src)[0] + ".safetensors"
-    r = KvzReader(src, bank=bank, threads=threads)
-    _check_output(out, force, [src])
-    lay = r.layout
+    One SRC: OUT defaults to SRC with .safetensors. Several: each goes to its name with
+    .safetensors in OUT (a directory) or next to its SRC; one process decodes them all, so the
+    start-up (Python, numba, the bank) is paid once. Existing outputs (the original caches,
+    typically) are never replaced without --force, and every output is checked before anything is
+    decoded. Streams in bounded memory: 2,048 positions of every layer at a time (decoded on all
+    threads), each slice written at its place in a temporary file renamed over the output at the
+    end."""
+    outs = _decompress_outputs(srcs, out)
     rng = None
     if tokens:
         try:
-            a, b = (int(v) for v in tokens.split(":"))
+            rng = tuple(int(v) for v in tokens.split(":"))
+            if len(rng) != 2:
+                raise ValueError
         except ValueError:
             raise click.UsageError("--tokens must look like A:B") from None
-        if not (0 <= a < b <= lay.n_tokens):
-            raise click.UsageError(f"--tokens {a}:{b}: need 0 <= A < B <= {lay.n_tokens}")
-        rng = (a, b)
-    if layers is not None and not (1 <= layers <= lay.num_layers):
-        raise click.UsageError(f"--layers must be in 1..{lay.num_layers}")
-    n_layers = layers or lay.num_layers
-    _ = r.decoder  # resolve the bank (and fail on a wrong one) before creating the output
-    a, b = rng or (0, lay.n_tokens)
-    with _progress(b - a, "decompress", quiet, unit="pos") as bar:
-        r.decompress_to(out, rng, n_layers, progress=bar.update, tier=tier)
-    specs = lay.tensor_names()[:2 * n_layers]
-    _emit({"input": src, "output": out, "tensors": len(specs)}, as_json, [f"{out}: {len(specs)} tensors"])
+    readers = []
+    for src, dst in zip(srcs, outs):
+        r = KvzReader(src, bank=bank, threads=threads)
+        _check_output(dst, force, srcs)
+        lay = r.layout
+        if rng and not (0 <= rng[0] < rng[1] <= lay.n_tokens):
+            raise click.UsageError(f"--tokens {rng[0]}:{rng[1]}: need 0 <= A < B <= {lay.n_tokens}"
+                                   + (f" ({src})" if len(srcs) > 1 else ""))
+        if layers is not None and not (1 <= layers <= lay.num_layers):
+            raise click.UsageError(f"--layers must be in 1..{lay.num_layers}" + (f" ({src})" if len(srcs) > 1 else ""))
+        readers.append(r)
+    done = []
+    for src, dst, r in zip(srcs, outs, readers):
+        lay = r.layout
+        n_layers = layers or lay.num_layers
+        _ = r.decoder  # resolve the bank (and fail on a wrong one) before creating the output
+        a, b = rng or (0, lay.n_tokens)
+        with _progress(b - a, f"decompress {os.path.basename(src)}" if len(srcs) > 1 else "decompress", quiet,
+                       unit="pos") as bar:
+            r.decompress_to(dst, (a, b) if rng else None, n_layers, progress=bar.update, tier=tier)
+        done.append({"input": src, "output": dst, "tensors": 2 * n_layers})
+        if len(srcs) > 1 and not as_json and not quiet:
+            click.echo(f"{dst}: {2 * n_layers} tensors")
+    if len(srcs) == 1:
+        _emit(done[0], as_json, [f"{done[0]['output']}: {done[0]['tensors']} tensors"])
+    elif as_json:
+        _emit({"files": done}, True, [])
+    elif quiet:
+        click.echo(f"{len(done)} files decoded")
+
+
+def _decompress_outputs(srcs, out) -> list[str]:
+    """The output path of each input of ``kvz decompress``."""
+    def stem(src):
+        return os.path.splitext(os.path.basename(src))[0] + ".safetensors"
+
+    if len(srcs) == 1:
+        if out and os.path.isdir(out):
+            return [os.path.join(out, stem(srcs[0]))]
+        return [out or os.path.splitext(srcs[0])[0] + ".safetensors"]
+    if out is not None and not os.path.isdir(out):
+        raise click.UsageError(f"with several inputs, -o must be an existing directory (got {out})")
+    outs = [os.path.join(out, stem(s)) if out else os.path.splitext(s)[0] + ".safetensors" for s in srcs]
+    seen: dict = {}
+    for s, o in zip(srcs, outs):
+        key = os.path.abspath(o)
+        if key in seen:
+            raise click.UsageError(f"{seen[key]} and {s} would both be written to {o}")
+        seen[key] = s
+    return outs
 
 
 @cli.command()

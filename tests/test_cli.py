@@ -90,3 +90,42 @@ def test_cli_start_skips_numba_blas_probe():
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_decompress_several_files(tmp_path):
+    """One `kvz decompress` call decodes several files (the start-up paid once) to the same bytes
+    as one call per file; outputs are checked before anything is decoded."""
+    r = CliRunner()
+    srcs = []
+    for i, T in enumerate((120, 77)):
+        d = tmp_path / f"in{i}"
+        d.mkdir()
+        p, _ = _write_cache(d, T=T, seed=i)
+        res = r.invoke(cli, ["compress", str(p), "-o", str(tmp_path / f"c{i}.kvz"), "--self-calibrate", "--rank", "4",
+                             "-q"])
+        assert res.exit_code == 0, res.output
+        srcs.append(str(tmp_path / f"c{i}.kvz"))
+    for i, s in enumerate(srcs):
+        res = r.invoke(cli, ["decompress", s, "-o", str(tmp_path / f"one{i}.safetensors"), "-q"])
+        assert res.exit_code == 0, res.output
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    res = r.invoke(cli, ["decompress", *srcs, "-o", str(outdir), "--json", "-q"])
+    assert res.exit_code == 0, res.output
+    files = json.loads(res.output)["files"]
+    assert [f["input"] for f in files] == srcs
+    for i, f in enumerate(files):
+        assert f["output"] == str(outdir / f"c{i}.safetensors")
+        assert (outdir / f"c{i}.safetensors").read_bytes() == (tmp_path / f"one{i}.safetensors").read_bytes()
+    # an existing output stops the whole call before any decoding: nothing new is written
+    (outdir / "c0.safetensors").unlink()
+    res = r.invoke(cli, ["decompress", *srcs, "-o", str(outdir), "-q"])
+    assert res.exit_code != 0 and "--force" in res.output
+    assert not (outdir / "c0.safetensors").exists()
+    res = r.invoke(cli, ["decompress", *srcs, "-o", str(outdir), "-q", "--force"])
+    assert res.exit_code == 0 and "2 files decoded" in res.output
+    # several inputs need a directory, and distinct output names
+    res = r.invoke(cli, ["decompress", *srcs, "-o", str(tmp_path / "x.safetensors")])
+    assert res.exit_code == 2 and "existing directory" in res.output
+    res = r.invoke(cli, ["decompress", srcs[0], srcs[0], "-o", str(outdir)])
+    assert res.exit_code == 2 and "both be written" in res.output

@@ -131,6 +131,24 @@ def test_profile(tiny):
     assert len(p["top_own"]) == 5 and p["total_own_s"] > 0
 
 
+def test_bound_counts_the_map_products(tiny):
+    """The bound section times the real integer map products of a read and counts their
+    multiply-adds: 2 layers x K,V, one head of 32 channels, 300 rows; the second layer's blocks
+    are predicted from earlier blocks (padded to 32 outputs, even d_in)."""
+    from alignpred import intmap
+
+    cache, bank = tiny
+    c = S.KvzCodec(cache, bank)
+    c.encode(1)
+    b = S.bound_section(c, reps=1)
+    assert intmap._map_predict.__class__.__name__ != "function"  # the kernel was put back
+    assert b["values"] == cache.layout.n_values and b["macs"] > 0 and 0 < b["map_products_s"] < b["read_s"]
+    assert all(n == 300 and K2 % 2 == 0 and m % 16 == 0 for S_, n, K2, m in b["shapes"])
+    assert b["macs"] == pytest.approx(b["macs_per_value"] * b["values"])
+    if b["bf16_reference"] is not None:
+        assert b["max_vps_maps_only"] == pytest.approx(b["values"] / b["map_floor_s"])
+
+
 def test_bench_speed_only_without_eval_caches(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
