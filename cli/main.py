@@ -211,14 +211,12 @@ def decompress(srcs, out, bank, tokens, layers, tier, threads, force, as_json, q
                        unit="pos") as bar:
             r.decompress_to(dst, (a, b) if rng else None, n_layers, progress=bar.update, tier=tier)
         done.append({"input": src, "output": dst, "tensors": 2 * n_layers})
-        if len(srcs) > 1 and not as_json and not quiet:
+        if len(srcs) > 1 and not as_json:  # as each file is finished (-q only hides progress bars)
             click.echo(f"{dst}: {2 * n_layers} tensors")
     if len(srcs) == 1:
         _emit(done[0], as_json, [f"{done[0]['output']}: {done[0]['tensors']} tensors"])
     elif as_json:
         _emit({"files": done}, True, [])
-    elif quiet:
-        click.echo(f"{len(done)} files decoded")
 
 
 def _decompress_outputs(srcs, out) -> list[str]:
