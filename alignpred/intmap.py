@@ -354,8 +354,8 @@ def _prepare_weights(W, n_src, shift_in, use_shift, shift, wp, w_exp):
 
 def prepare_weights(W: np.ndarray, n_src: int = 1, shift: np.ndarray | None = None):
     """``(wp, w_exp, shift)``: :func:`pack_weights` of :func:`quantize_weights` in one compiled
-    pass (about 15x faster; the same integers — tests compare the two on random, degenerate and
-    real maps).
+    pass (the bundled bank's 35 maps: 0.03 s instead of 0.1 s, paid when a file is opened; the
+    same integers — tests compare the two on random, degenerate and real maps).
 
     >>> W = np.array([[1.0, 0.5], [-0.25, 3.0]], np.float32)
     >>> wp, we, sh = prepare_weights(W)
