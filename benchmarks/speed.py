@@ -1175,7 +1175,11 @@ def acceptance(res: dict) -> list[dict]:
             cli["ratio_incl_start"], f"process start included {cli['ratio_incl_start']:.2f}, excluded "
             f"{cli['ratio_excl_start']:.2f} (CLI {cli['cli_vps'] / 1e6:.1f}, in-process read "
             f"{cli['inproc_read_vps'] / 1e6:.1f} Mv/s); by CPU time {rcpu:.2f}" +
-            (f"; {cli['batch_files']} files in one call: {cli['ratio_batch']:.2f}" if "ratio_batch" in cli else ""),
+            (f"; {cli['batch_files']} files in one call: {cli['ratio_batch']:.2f}" if "ratio_batch" in cli else "") +
+            (f"; against in-process decompress_to (the same job: decode and write the file) "
+             f"{cli['cli_vps'] / cli['inproc_decompress_to_vps']:.2f}"
+             + (f", {cli['batch_files']} files {cli['cli_batch_vps'] / cli['inproc_decompress_to_vps']:.2f}"
+                if "cli_batch_vps" in cli else "") if cli.get("inproc_decompress_to_vps") else ""),
             rcpu >= 0.5)
     env = (res.get("processes") or {}).get("env")
     if env and env.get("variants"):
@@ -1402,7 +1406,9 @@ def markdown(res: dict) -> str:
               f"subprocesses: {cli['children_cpu_s']:.1f} s in all.)"]
         if "ratio_batch" in cli:
             L += ["", f"`kvz decompress` of {cli['batch_files']} such files in one call: "
-                  f"{cli['cli_batch_vps'] / 1e6:.1f} Mv/s, {cli['ratio_batch']:.2f}x of in-process read()."]
+                  f"{cli['cli_batch_vps'] / 1e6:.1f} Mv/s, {cli['ratio_batch']:.2f}x of in-process read() and "
+                  f"{cli['cli_batch_vps'] / cli['inproc_decompress_to_vps']:.2f}x of in-process decompress_to() "
+                  f"(which also writes the file; one file: {cli['cli_vps'] / cli['inproc_decompress_to_vps']:.2f}x)."]
         ph = cli.get("cold_start_phases") or {}
         if ph:
             L += ["", "Where a fresh process spends its time (medians): " + ", ".join(
