@@ -482,7 +482,7 @@ class KvzReader:
                 for _, name, arr in self._decode(lo, hi, sel, tier=tier):
                     for h in range(lay.kv_heads):
                         f.seek(len(head) + slot[name] * t_bytes + (h * n_tok + lo - a) * row_bytes)
-                        f.write(np.ascontiguousarray(arr[h]).tobytes())
+                        f.write(np.ascontiguousarray(arr[h]).reshape(-1).view(np.uint8).data)  # no copy
                 release_pages(self._buf)
                 if progress:
                     progress(hi - lo)
