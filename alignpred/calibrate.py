@@ -83,8 +83,11 @@ def block_samples(cache, block: str, max_tokens: int | None = None) -> np.ndarra
 
 def fit_bank(caches, *, rank: int | None = None, eps_cal: float = 0.03, group_size: int = 3, depth: int = 1,
              groups: list[list[str]] | None = None, rotations: bool = True, maps: bool = True,
-             max_tokens: int | None = None, dtype: str = "float16", progress=None) -> Bank:
-    """Fit a :class:`Bank` on one or more caches of the same layout."""
+             max_tokens: int | None = None, dtype: str = "float16", progress=None,
+             sources: dict[str, list[str]] | None = None) -> Bank:
+    """Fit a :class:`Bank` on one or more caches of the same layout. ``sources``: the map sources
+    per block (default :func:`default_sources` with ``depth``); each must be decoded before its
+    block (an earlier layer, or an earlier tensor of the same layer)."""
     if not caches:
         raise LayoutError("calibration needs at least one cache")
     lay = caches[0].layout
@@ -92,8 +95,13 @@ def fit_bank(caches, *, rank: int | None = None, eps_cal: float = 0.03, group_si
         if c.layout.signature() != lay.signature():
             raise BankMismatchError(f"calibration caches disagree: {c.layout.signature()} vs {lay.signature()}")
     groups = groups or default_groups(lay, group_size)
-    sources = default_sources(lay, depth) if maps else {}
     blocks = [b.name for b in lay.blocks()]
+    if sources is not None and maps:
+        order = {b: i for i, b in enumerate(blocks)}
+        for b, src in sources.items():
+            if b not in order or any(s not in order or order[s] >= order[b] for s in src):
+                raise LayoutError(f"map sources {src} of {b}: every source must be a block decoded before it")
+    sources = (default_sources(lay, depth) if sources is None else dict(sources)) if maps else {}
     store = np.dtype(dtype)
     samples = {}
     for b in blocks:
