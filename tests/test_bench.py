@@ -71,3 +71,21 @@ def test_bench_quick(tmp_path):
             assert any(row["method"] == m and row["eps_target"] == e8["tensor"] for row in r["rows"])
     md = (out / "RESULTS.md").read_text()
     assert "At FP8 e4m3's measured error" in md and "## (d) Speed" in md and "kvz bench" in md
+
+
+def test_map_source_variants_and_their_multiply_adds():
+    """The map-source study's variants drop exactly the named sources, and the multiply-adds per
+    value count every map's sources x d_in x d_out over all values (Gemma 3 270M: 612)."""
+    from alignpred.layout import CacheLayout
+    from kvz.benchmarks.map_sources import macs_per_value, variants
+
+    lay = CacheLayout(num_layers=18, kv_heads=1, head_dim=256, n_tokens=2048, dtype="bfloat16")
+    v = variants(lay)
+    assert set(v) == {"default", "v_no_prev_k", "v_no_prev_v", "k_prev_k_only"}
+    assert v["default"]["V.5.0"] == ["V.4.0", "K.5.0", "K.4.0"] and v["default"]["K.5.0"] == ["K.4.0", "V.4.0"]
+    assert v["v_no_prev_k"]["V.5.0"] == ["V.4.0", "K.5.0"] and v["v_no_prev_k"]["K.5.0"] == ["K.4.0", "V.4.0"]
+    assert v["v_no_prev_v"]["V.5.0"] == ["K.5.0", "K.4.0"]
+    assert v["k_prev_k_only"]["K.5.0"] == ["K.4.0"] and v["k_prev_k_only"]["V.5.0"] == ["V.4.0", "K.5.0"]
+    assert v["default"]["V.0.0"] == ["K.0.0"] and "K.0.0" not in v["default"]
+    # 17 K maps x 2 sources + 17 V maps x 3 + V.0 x 1 = 86 products of 256 x 256 per token, over 36 x 256 values
+    assert round(macs_per_value(lay, v["default"])) == round(86 * 256 * 256 / (36 * 256)) == 612
