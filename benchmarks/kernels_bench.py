@@ -39,8 +39,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvz.benchmarks.run import BUNDLED_BANK as BANK  # noqa: E402  (the bundled bank file)
+
 SAMPLES = ROOT / "samples" / "gemma3-270m"
-BANK = str(ROOT / "alignpred" / "banks" / "gemma-3-270m.h5")
 EPS = 0.0267
 
 

@@ -209,7 +209,7 @@ def decompress(srcs, out, bank, tokens, layers, tier, threads, force, as_json, q
         a, b = rng or (0, lay.n_tokens)
         with _progress(b - a, f"decompress {os.path.basename(src)}" if len(srcs) > 1 else "decompress", quiet,
                        unit="pos") as bar:
-            r.decompress_to(dst, (a, b) if rng else None, n_layers, progress=bar.update, tier=tier)
+            r.decompress_to(dst, rng, n_layers, progress=bar.update, tier=tier)
         done.append({"input": src, "output": dst, "tensors": 2 * n_layers})
         if len(srcs) > 1 and not as_json:  # as each file is finished (-q only hides progress bars)
             click.echo(f"{dst}: {2 * n_layers} tensors")
