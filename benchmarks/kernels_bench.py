@@ -267,9 +267,9 @@ def rans_speed(reps: int, quick: bool) -> dict:
         rec = []
         orig = entropy.decode
 
-        def spy(buf, ids, shape, coder="rans4"):
+        def spy(buf, ids, shape, coder="rans4", out=None):
             rec.append((np.frombuffer(bytes(buf), np.uint8).copy(), np.asarray(ids).copy(), tuple(shape), coder))
-            return orig(buf, ids, shape, coder)
+            return orig(buf, ids, shape, coder, out=out)
 
         from alignpred import KvzReader
 
