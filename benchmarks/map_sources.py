@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "map_sources.json"))
     a = ap.parse_args(argv)
-    from alignpred import KvzReader, compress_bytes, fit_bank, load_cache
+    from alignpred import KvzError, KvzReader, compress_bytes, fit_bank, load_cache
     from alignpred.io import atomic_write
 
     calib = a.calib or sorted(glob.glob(os.path.join(ROOT, "data", "calib", "*.safetensors")))
@@ -75,8 +75,11 @@ def main(argv=None) -> dict:
     if not calib or not evals:
         ap.error("needs calibration and evaluation caches: python samples/make_samples.py --what calib "
                  "(and --what eval), or pass --calib/--eval")
-    cal = [load_cache(p) for p in calib]
-    ev = [(os.path.splitext(os.path.basename(p))[0], load_cache(p)) for p in evals]
+    try:
+        cal = [load_cache(p) for p in calib]
+        ev = [(os.path.splitext(os.path.basename(p))[0], load_cache(p)) for p in evals]
+    except KvzError as e:
+        ap.error(str(e))
     lay = ev[0][1].layout
     rows = []
     for name, src in variants(cal[0].layout).items():
