@@ -9,6 +9,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import threading
 import time
 import traceback
 import uuid
@@ -365,7 +366,9 @@ def test_concurrent_writers_and_readers(h):
     if h.kind == "directory":
         os.makedirs(spec["path"], exist_ok=True)
     ctx = mp.get_context("spawn")
-    go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    # go: every process waits, store open, until all are ready (a spawned process takes ~0.5 s to
+    # import; with a start signal alone the writers could finish before a reader's first read)
+    go, stop, out = ctx.Barrier(N_WRITERS + N_READERS + 1), ctx.Event(), ctx.Queue()
     writers = [ctx.Process(target=_writer, args=(spec, w, go, out)) for w in range(N_WRITERS)]
     readers = [ctx.Process(target=_reader, args=(spec, r, go, stop, out)) for r in range(N_READERS)]
     procs = writers + readers
@@ -373,7 +376,10 @@ def test_concurrent_writers_and_readers(h):
         p.start()
     results = []
     try:
-        go.set()
+        try:
+            go.wait(120)
+        except threading.BrokenBarrierError:
+            pass  # a child failed before it was ready: its traceback is reported below
         deadline = time.monotonic() + 90
         while len([r for r in results if r[0] == "writer"]) < N_WRITERS and time.monotonic() < deadline:
             try:
