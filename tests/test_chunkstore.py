@@ -148,7 +148,15 @@ WORKER = textwrap.dedent("""
     st = synth_store(be, codec="raw", chunk_tokens=8, raw_dtype="float32")
     rng = np.random.default_rng(seed)
     checked = 0
-    for it in range(spec["iters"]):
+    # start together (imports take a while and vary), and readers read for the whole write phase
+    import os, time
+    open(os.path.join(spec["sync"], f"ready-{{role}}{{seed}}"), "w").close()
+    t0 = time.monotonic()
+    while len(os.listdir(spec["sync"])) < spec["procs"] and time.monotonic() - t0 < 120:
+        time.sleep(0.005)
+    it = 0
+    while it < spec["iters"] or (role == "r" and not os.path.exists(spec["done"]) and time.monotonic() - t0 < 240):
+        it += 1
         p = int(rng.integers(spec["prompts"]))
         ids = [1000 * p + j for j in range(32)]
         chunks = st.chunks(ids)
@@ -175,12 +183,17 @@ def test_concurrent_writers_and_readers(kind, tmp_path, request):
     spec = {"kind": kind, "path": getattr(be, "path", None), "budget": 60_000, "iters": 25, "prompts": 6,
             "url": request.getfixturevalue("redis_server").url if kind == "redis" else None,
             "ns": getattr(be, "namespace", None)}
+    roles = "wwwwrr"
+    spec.update(sync=str(tmp_path / "sync"), done=str(tmp_path / "writers-done"), procs=len(roles))
+    os.makedirs(spec["sync"])
     code = WORKER.format(tests=os.path.join(ROOT, "tests"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(spec), role, str(i)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env)
-             for i, role in enumerate("wwwwrr")]
-    outs = [p.communicate(timeout=300) for p in procs]
+             for i, role in enumerate(roles)]
+    outs = [p.communicate(timeout=300) for p, r in zip(procs, roles) if r == "w"]
+    open(spec["done"], "w").close()  # the readers stop once they have seen the whole write phase
+    outs += [p.communicate(timeout=300) for p, r in zip(procs, roles) if r == "r"]
     for p, (_o, e) in zip(procs, outs):
         assert p.returncode == 0, e[-2000:]
     assert sum(int(o.strip() or 0) for (o, _), r in zip(outs, "wwwwrr") if r == "r") > 0
