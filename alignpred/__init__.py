@@ -10,29 +10,94 @@ The public API (what a serving loader calls)::
     for layer, k, v in r.layers(tokens=(0, 128), out=lambda i: (kbuf[i], vbuf[i])):  # into your buffers
         ...
 
-Modules: :mod:`~alignpred.layout` / :mod:`~alignpred.metadata` (what a cache is),
-:mod:`~alignpred.cachefile` (safetensors in/out), :mod:`~alignpred.bank` /
-:mod:`~alignpred.banks` / :mod:`~alignpred.calibrate` (calibration banks and their registry),
-:mod:`~alignpred.writer` / :mod:`~alignpred.reader` (the .kvz container), and the codec stages
-(:mod:`~alignpred.frame`, :mod:`~alignpred.predictors`, :mod:`~alignpred.quantize`,
-:mod:`~alignpred.entropy`, :mod:`~alignpred.encoder`, :mod:`~alignpred.decoder`).
+The pipeline, one sub-package per stage (imports only point down this list):
+
+* :mod:`alignpred.errors`, :mod:`alignpred.io` (the only module that opens files),
+  :mod:`alignpred.threads` (kvz's own worker pools) — the base;
+* :mod:`alignpred.kernels` — compiled kernels, each next to the numpy reference it must equal;
+* :mod:`alignpred.entropy` — static probability models apart from the rANS coders;
+* :mod:`alignpred.cache` — what a cache is: layout, metadata, safetensors, RoPE;
+* :mod:`alignpred.bank` — calibration banks, their registry, calibration (GPA, ridge maps);
+* :mod:`alignpred.codec` — config, error budget, frame, predictors, plan, rate control, encoder, decoder;
+* :mod:`alignpred.format` — the ``.kvz`` container: bytes, header, index, writer, reader, session.
+
+Names are imported lazily (PEP 562): ``import alignpred`` costs almost nothing until a name is used.
 """
-__version__ = "0.2.0"
+from __future__ import annotations
 
-from .bank import Bank  # noqa: E402
-from .cachefile import Cache, load_cache, save_cache  # noqa: E402
-from .calibrate import fit_bank  # noqa: E402
-from .config import CodecConfig  # noqa: E402
-from .errors import (BankMismatchError, ChecksumError, EncodeError, FormatError, KvzError, KvzWarning,  # noqa: E402
-                     LayoutError, MetadataError, NonFiniteError, OutputExistsError, TruncatedError,
-                     UnsupportedVersionError)
-from .layout import CacheLayout  # noqa: E402
-from .reader import DecoderSession, KvzReader  # noqa: E402
-from .rope import RopeSpec, RopeTable  # noqa: E402
-from .writer import CompressInfo, compress, compress_bytes  # noqa: E402
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = ["Bank", "Cache", "CacheLayout", "load_cache", "save_cache", "fit_bank", "compress", "compress_bytes",
-           "KvzReader", "DecoderSession", "CompressInfo", "CodecConfig", "RopeSpec", "RopeTable", "KvzError",
-           "KvzWarning", "FormatError", "TruncatedError", "ChecksumError", "UnsupportedVersionError",
-           "BankMismatchError", "LayoutError", "MetadataError", "NonFiniteError", "EncodeError",
-           "OutputExistsError"]
+from alignpred._version import __version__
+
+# public name -> module that defines it
+_EXPORTS = {
+    "Bank": "alignpred.bank.bank",
+    "fit_bank": "alignpred.bank.calibrate",
+    "BankRegistry": "alignpred.bank.registry",
+    "resolve_bank": "alignpred.bank.registry",
+    "Cache": "alignpred.cache.cachefile",
+    "load_cache": "alignpred.cache.cachefile",
+    "save_cache": "alignpred.cache.cachefile",
+    "CacheLayout": "alignpred.cache.layout",
+    "RopeSpec": "alignpred.cache.rope",
+    "RopeTable": "alignpred.cache.rope",
+    "CodecConfig": "alignpred.codec.config",
+    "ErrorBudget": "alignpred.codec.budget",
+    "StageTimer": "alignpred.codec.decoder",
+    "KvzReader": "alignpred.format.reader",
+    "DecoderSession": "alignpred.format.session",
+    "CompressInfo": "alignpred.format.writer",
+    "compress": "alignpred.format.writer",
+    "compress_bytes": "alignpred.format.writer",
+    "atomic_write": "alignpred.io",
+    "atomic_file": "alignpred.io",
+}
+_ERRORS = ("KvzError", "KvzWarning", "FormatError", "TruncatedError", "ChecksumError", "UnsupportedVersionError",
+           "BankMismatchError", "LayoutError", "MetadataError", "NonFiniteError", "EncodeError", "OutputExistsError")
+_EXPORTS.update({name: "alignpred.errors" for name in _ERRORS})
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'alignpred' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # static checkers see the eager imports
+    from alignpred.bank.bank import Bank
+    from alignpred.bank.calibrate import fit_bank
+    from alignpred.bank.registry import BankRegistry, resolve_bank
+    from alignpred.cache.cachefile import Cache, load_cache, save_cache
+    from alignpred.cache.layout import CacheLayout
+    from alignpred.cache.rope import RopeSpec, RopeTable
+    from alignpred.codec.budget import ErrorBudget
+    from alignpred.codec.config import CodecConfig
+    from alignpred.codec.decoder import StageTimer
+    from alignpred.errors import (
+        BankMismatchError,
+        ChecksumError,
+        EncodeError,
+        FormatError,
+        KvzError,
+        KvzWarning,
+        LayoutError,
+        MetadataError,
+        NonFiniteError,
+        OutputExistsError,
+        TruncatedError,
+        UnsupportedVersionError,
+    )
+    from alignpred.format.reader import KvzReader
+    from alignpred.format.session import DecoderSession
+    from alignpred.format.writer import CompressInfo, compress, compress_bytes
+    from alignpred.io import atomic_file, atomic_write

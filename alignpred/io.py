@@ -22,9 +22,9 @@ import contextlib
 import mmap
 import os
 import tempfile
-from typing import Iterable
+from collections.abc import Iterable
 
-from .errors import KvzError
+from alignpred.errors import KvzError
 
 
 def _lock(fd) -> bool:
@@ -176,7 +176,7 @@ def read_bank_attrs(path) -> tuple[str, str]:
     except FileNotFoundError:
         raise KvzError(f"{path}: no such file") from None
     except (OSError, KeyError, ValueError) as e:
-        from .errors import BankMismatchError
+        from alignpred.errors import BankMismatchError
 
         raise BankMismatchError(f"{path}: not a kvz bank ({e})") from None
 
@@ -199,7 +199,7 @@ def read_bank_file(path) -> tuple[str, str, dict]:
 
             f.visititems(visit)
     except (OSError, KeyError, ValueError) as e:
-        from .errors import BankMismatchError
+        from alignpred.errors import BankMismatchError
 
         raise BankMismatchError(f"{path}: not a kvz bank ({e})") from None
     return man, cid, arrays

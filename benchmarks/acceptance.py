@@ -45,7 +45,7 @@ def main(argv=None):
     import numpy as np
 
     from alignpred import KvzReader, compress, load_cache
-    from alignpred.banks import find as find_bank
+    from alignpred.bank.registry import find as find_bank
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if a.caches:

@@ -61,7 +61,7 @@ def sweep(raw: bytes, bank=None, *, stride: int = 1, masks=(None,), decode_sampl
           progress: bool = False) -> dict:
     """Corrupt ``raw`` one byte at a time; returns per-region counts of tried/detected and the
     undetected positions. ``masks``: XOR values; ``None`` = one random non-zero mask per byte."""
-    import alignpred.reader as kf
+    import alignpred.format.reader as kf
     from alignpred import KvzError, KvzReader
 
     mem = _Mem()

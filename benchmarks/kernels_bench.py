@@ -1,5 +1,5 @@
-"""Benchmark of the decoder kernels: exact integer map products (alignpred.intmap), the fused
-post-prediction pass (alignpred.fused) and the rANS decoder (alignpred.rans).
+"""Benchmark of the decoder kernels: exact integer map products (alignpred.kernels.intmap), the fused
+post-prediction pass (alignpred.kernels.fused) and the rANS decoder (alignpred.entropy.rans).
 
 Usage: python -m kvz.benchmarks.kernels_bench [--out out/kernels_bench.json] [--quick]
 
@@ -67,7 +67,7 @@ def _interleaved(fns: dict, reps: int, inner: int) -> dict:
 
 
 def _sources(cache, bank, blk):
-    from alignpred.calibrate import block_samples
+    from alignpred.bank.calibrate import block_samples
 
     return [np.ascontiguousarray(block_samples(cache, s) - bank.mean(s), np.float32) for s in bank.sources(blk)]
 
@@ -75,8 +75,8 @@ def _sources(cache, bank, blk):
 # --------------------------------------------------------------------------------------------
 def precision(quick: bool) -> dict:
     from alignpred import Bank, load_cache
-    from alignpred.calibrate import block_samples
-    from alignpred.intmap import IntMap
+    from alignpred.bank.calibrate import block_samples
+    from alignpred.kernels.intmap import IntMap
 
     bank = Bank.load(BANK)
     res = {"int_equalised": [], "int_plain": [], "float32_blas": []}
@@ -121,7 +121,7 @@ def precision(quick: bool) -> dict:
 def speed_child(reps: int) -> dict:
     """Runs in a child with OPENBLAS_NUM_THREADS=1."""
     from alignpred import Bank, load_cache
-    from alignpred import intmap as im
+    from alignpred.kernels import intmap as im
 
     bank = Bank.load(BANK)
     cache = load_cache(str(SAMPLES / "english-prose.safetensors"))
@@ -162,7 +162,7 @@ def speed_child(reps: int) -> dict:
 
 def asm_child() -> dict:
     """Runs in a child with a fresh NUMBA_CACHE_DIR (cached code cannot be inspected)."""
-    from alignpred import intmap as im
+    from alignpred.kernels import intmap as im
 
     M = im.IntMap(np.ones((512, 256), np.float32), 2)
     M.predict([np.ones((16, 256), np.float32)] * 2)
@@ -178,8 +178,8 @@ def hash_child() -> dict:
     import ml_dtypes
 
     from alignpred import Bank, load_cache
-    from alignpred.fused import fused_post
-    from alignpred.intmap import IntMap
+    from alignpred.kernels.fused import fused_post
+    from alignpred.kernels.intmap import IntMap
 
     bank = Bank.load(BANK)
     cache = load_cache(str(SAMPLES / "english-prose.safetensors"))
@@ -226,7 +226,7 @@ def _child(mode: str, env_extra: dict, reps: int) -> dict:
 def fused_speed(reps: int) -> dict:
     import ml_dtypes
 
-    from alignpred.fused import fused_post, reference_post
+    from alignpred.kernels.fused import fused_post, reference_post
 
     rng = np.random.default_rng(0)
     d, S = 256, 256
@@ -257,7 +257,7 @@ def fused_speed(reps: int) -> dict:
 def rans_speed(reps: int, quick: bool) -> dict:
     """Decode the payloads of a real compressed sample (captured from the reader)."""
     from alignpred import Bank, compress, entropy, load_cache
-    from alignpred import rans
+    from alignpred.entropy import rans
 
     bank = Bank.load(BANK)
     cache = load_cache(str(SAMPLES / "english-prose.safetensors"))
@@ -330,11 +330,11 @@ def main(argv=None) -> int:
         res["machine"]["llvm_cpu"] = binding.get_host_cpu_name()
     except Exception:  # pragma: no cover
         pass
-    from alignpred import intmap as im
+    from alignpred.kernels import intmap as im
 
     res["intmap"] = {"BX": im.BX, "BW": im.BW, "XQ_MAX": im.XQ_MAX, "WQ_MAX": im.WQ_MAX, "K_CHUNK": im.K_CHUNK,
                      "block": [im.R_BLK, im.COL_BLK]}
-    print("== precision: RMS(int - float64) / (Delta/sqrt(12)) at eps = %.4f" % EPS, flush=True)
+    print(f"== precision: RMS(int - float64) / (Delta/sqrt(12)) at eps = {EPS:.4f}", flush=True)
     res["precision"] = precision(a.quick)
     for k, v in res["precision"].items():
         print(f"  {k:15s} objects {v['objects']:4d}  median {v['median']:.4f}  p90 {v['p90']:.4f}  max {v['max']:.4f}")

@@ -134,7 +134,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     _pin(a.threads)
     from alignpred import KvzError
-    from alignpred.banks import find as find_bank
+    from alignpred.bank.registry import find as find_bank
     from alignpred.io import atomic_write
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def variants(layout) -> dict[str, dict[str, list[str]]]:
     """Source sets per variant (one head per layer is all Gemma 3 270M has; earlier heads of the
     layer, which the default also uses for multi-head models, are kept as they are)."""
-    from alignpred.calibrate import default_sources
+    from alignpred.bank.calibrate import default_sources
 
     base = default_sources(layout)
     out = {"default": base}

@@ -43,8 +43,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -220,8 +220,8 @@ def kvz_setting(bank, eps: float, scope: str = "tensor", **kw) -> Setting:
     """kvz compress + decompress through a temporary .kvz file; records bpv (file bytes) and kvz's own NRMSE.
     ``bank`` is an :class:`alignpred.Bank` or a path; extra keywords go to :func:`alignpred.compress`."""
     from alignpred import Bank, KvzReader, compress
-    from alignpred.cachefile import Cache
-    from alignpred.layout import infer_layout
+    from alignpred.cache.cachefile import Cache
+    from alignpred.cache.layout import infer_layout
 
     if isinstance(bank, (str, os.PathLike)):
         bank = Bank.load(bank)

@@ -62,8 +62,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 
@@ -748,7 +748,7 @@ def run(preset_name: str = "quick", *, bank="gemma-3-270m", json_out=None, plot_
         if v is not None:
             preset[k] = v
     if isinstance(bank, (str, os.PathLike)):
-        from alignpred.banks import find
+        from alignpred.bank.registry import find
 
         bank = Bank.load(bank) if os.path.exists(str(bank)) else find(str(bank))
     if model is None:

@@ -335,10 +335,9 @@ def _agg(rows, key):
 def run(args) -> dict:
     import torch
 
+    from kvz.benchmarks.run import limit_threads
     from kvz.integrations.gemma_capture import load_gemma
     from kvz.integrations.hf_bridge import cache_kwarg, kv_shape
-
-    from kvz.benchmarks.run import limit_threads
 
     n_threads = int(os.environ.get("KVZ_THREADS", "1"))
     torch.set_num_threads(n_threads)

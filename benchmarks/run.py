@@ -36,7 +36,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
-BUNDLED_BANK = os.path.join(os.path.dirname(os.path.abspath(__import__("alignpred").__file__)), "banks",
+BUNDLED_BANK = os.path.join(os.path.dirname(os.path.abspath(__import__("alignpred").__file__)), "bank", "data",
                             "gemma-3-270m.h5")
 CALIB_DIR = os.path.join(ROOT, "data", "calib")
 
@@ -175,8 +175,8 @@ def _loadavg():
 
 def slice_cache(cache, n_tokens: int):
     """The first ``n_tokens`` tokens of every tensor (all layers kept), as a new Cache."""
-    from alignpred.cachefile import Cache
-    from alignpred.layout import infer_layout
+    from alignpred.cache.cachefile import Cache
+    from alignpred.cache.layout import infer_layout
 
     if n_tokens >= cache.layout.n_tokens:
         return cache
@@ -295,8 +295,8 @@ def run_bench(caches: list[str] | None = None, *, bank: str | None = None, calib
     """Run the benchmark; write ``out/results.json`` (and the report); return the results dict."""
     from tqdm import tqdm
 
-    from alignpred import Bank, CodecConfig, fit_bank, load_cache
     import kvz.benchmarks.baselines as B
+    from alignpred import Bank, CodecConfig, fit_bank, load_cache
 
     thread_note = limit_threads(threads) if threads else "not limited"
     t_start = time.perf_counter()
@@ -528,7 +528,7 @@ def run_bench(caches: list[str] | None = None, *, bank: str | None = None, calib
 
 
 def _bank_has_rotations(bank) -> bool:
-    from alignpred.bank import block_name
+    from alignpred.bank.bank import block_name
 
     try:
         return bank.rotation(block_name("K", 0, 0)) is not None

@@ -29,7 +29,7 @@ variance a uniform error at NRMSE ``eps`` puts there; ``w_p = T * KL_p / (scale^
 later ones, and the last few; position 0 also keys only / values only.  **Attention**: in the same pass (eager
 attention), the mean attention weight (over heads and scored queries) each cached position receives, per layer.
 
-Writes ``alignpred/banks/gemma-3-270m.sensitivity.json`` (``--out``)::
+Writes ``alignpred/bank/data/gemma-3-270m.sensitivity.json`` (``--out``)::
 
     {"model", "bank_id", "tensor_weights": {"layers.0.key": w, ...}, "kl_per_nrmse2", "token_weights": {...},
      "method", "command", ...}
@@ -37,7 +37,7 @@ Writes ``alignpred/banks/gemma-3-270m.sensitivity.json`` (``--out``)::
 Run::
 
     python -m kvz.benchmarks.sensitivity --quick --out /tmp/sens.json
-    python -m kvz.benchmarks.sensitivity --out alignpred/banks/gemma-3-270m.sensitivity.json \\
+    python -m kvz.benchmarks.sensitivity --out alignpred/bank/data/gemma-3-270m.sensitivity.json \\
         --report benchmarks/results/sensitivity.md
 """
 from __future__ import annotations
@@ -377,7 +377,7 @@ def format_report(res: dict) -> str:
 def run(preset: str = "full", *, out=None, report=None, bank="gemma-3-270m", command="", progress=True,
         model=None, tokenizer=None, **over) -> dict:
     from alignpred import Bank
-    from alignpred.banks import find
+    from alignpred.bank.registry import find
 
     cfg = dict(PRESETS[preset])
     raw = over.pop("raw", None)  # earlier measurements (--from-raw): summarize only

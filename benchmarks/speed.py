@@ -56,9 +56,10 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -672,7 +673,7 @@ import kvz.cli.main as m  # (what `kvz` imports)
 from alignpred import KvzReader
 t1 = time.perf_counter()
 m._skip_numba_blas_probe()  # as `kvz` does first
-from alignpred.intmap import quantize_rows
+from alignpred.kernels.intmap import quantize_rows
 import numpy as np
 quantize_rows(np.ones((1, 2), np.float32))  # numba's one-time set-up (first kernel load in a process)
 tn = time.perf_counter()
@@ -1070,13 +1071,13 @@ def profile_decode(codec: KvzCodec, top: int = 15) -> dict:
 def bound_section(codec: KvzCodec, reps: int = 5) -> dict:
     """How fast a one-thread decode can be with exact map products on this core.
 
-    In one single-thread ``read()`` the integer map products (``alignpred.intmap._map_predict``)
+    In one single-thread ``read()`` the integer map products (``alignpred.kernels.intmap._map_predict``)
     are timed and their multiply-adds counted (``sources x d_in x d_out`` per row, padding
     included); next to them, in the same process, torch's bf16 GEMM on the same shapes (oneDNN,
     one thread; ``vdpbf16ps``/AMX where the CPU has them) as a reference for the core's
     dot-product peak. The bound: the read's values / (its multiply-adds / peak rate) is the
     values/s a decode would reach if everything but the map products were free."""
-    from alignpred import intmap
+    from alignpred.kernels import intmap
 
     calls: list = []
     orig = intmap._map_predict
@@ -1464,7 +1465,7 @@ def run(preset: str = "full", caches: list[str] | None = None, *, bank: str = BA
         md_out: str | None = None, command: str | None = None, progress: bool = True) -> dict:
     """The whole benchmark; returns the results (and writes what was asked)."""
     from alignpred import load_cache
-    from alignpred.banks import find as find_bank
+    from alignpred.bank.registry import find as find_bank
     from kvz.benchmarks.run import code_revision, display_path
 
     cfg = {**PRESETS[preset], **(overrides or {})}
@@ -1580,7 +1581,7 @@ def run(preset: str = "full", caches: list[str] | None = None, *, bank: str = BA
 
 def _bank_file(bank: str) -> str:
     """A file holding the bank (the worker processes load it by path)."""
-    from alignpred.banks import lookup
+    from alignpred.bank.registry import lookup
 
     if os.path.isfile(bank):
         return bank

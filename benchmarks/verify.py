@@ -107,8 +107,14 @@ def run(*, n_prompts=20, prompt_tokens=256, new_tokens=64, xs=(8, 16, 32), eps_l
 
     from kvz.benchmarks.quality import _model, default_prompts
     from kvz.integrations.pager import ArraySource, KvPager, KvzSource, kv_bytes
-    from kvz.integrations.verify import (DraftCache, PagedFullKV, VeriCacheDecoder, greedy_reference, snapkv_keep,
-                                         window_keep)
+    from kvz.integrations.verify import (
+        DraftCache,
+        PagedFullKV,
+        VeriCacheDecoder,
+        greedy_reference,
+        snapkv_keep,
+        window_keep,
+    )
 
     def log(msg):
         if progress:

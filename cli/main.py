@@ -12,8 +12,9 @@ import warnings
 
 import click
 
-from alignpred import CodecConfig, KvzError, KvzReader, compress as compress_cache, fit_bank, load_cache
-from alignpred.banks import find as find_bank
+from alignpred import CodecConfig, KvzError, KvzReader, fit_bank, load_cache
+from alignpred import compress as compress_cache
+from alignpred.bank.registry import find as find_bank
 from alignpred.errors import OutputExistsError
 from alignpred.io import same_file
 
@@ -124,7 +125,7 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
     elif bank:
         b = find_bank(bank, cache.layout)
     else:
-        from alignpred.banks import fitting
+        from alignpred.bank.registry import fitting
 
         es = fitting(cache.layout)
         hint = f" (the {es[0].origin} bank {es[0].name} fits this cache: --bank {es[0].name})" if es else ""
@@ -279,7 +280,7 @@ def inspect(src, as_json):
              f"{lay['kv_heads']} KV heads x {lay['n_tokens']} tokens x {lay['head_dim']} ({lay['dtype']})",
              f"{s['file_bytes']} bytes, {s['bpv']:.3f} bits/value; eps {s['eps']} ({s['eps_scope']}{cap}); "
              f"pooled NRMSE {s['nrmse_pooled']:.6f}, worst tensor {s['nrmse_max_tensor']:.6f}",
-             f"bank {s['bank_id']}{' (embedded, %d bytes)' % s['bank_bytes'] if s['bank_embedded'] else ''}",
+             f"bank {s['bank_id']}" + (f" (embedded, {s['bank_bytes']} bytes)" if s['bank_embedded'] else ""),
              "tiers: " + ", ".join(f"{t} {8 * s['tier_payload_bytes'][t] / s['n_values']:.3f} bpv"
                                    for t in s["tiers"]),
              f"{'tensor':<20} {'nrmse':>9} {'bpv':>7} {'worst object':>13}"]
@@ -298,7 +299,7 @@ def bank():
 @_errors
 def bank_list(as_json):
     """Registered banks, in lookup order ($KVZ_BANK_PATH, the user folder, the bundled ones)."""
-    from alignpred.banks import registry, search_dirs
+    from alignpred.bank.registry import registry, search_dirs
 
     es = registry()
     rows = [{"name": e.name, "id": e.id, "model": e.model, "signature": e.signature, "origin": e.origin,
@@ -322,7 +323,7 @@ def bank_list(as_json):
 @_errors
 def bank_add(path, name, force, as_json):
     """Verify a bank file and copy it into the user bank folder."""
-    from alignpred.banks import add
+    from alignpred.bank.registry import add
 
     e = add(path, name, force)
     _emit({"name": e.name, "id": e.id, "path": e.path}, as_json, [f"{e.name}: {e.id} -> {e.path}"])

@@ -34,8 +34,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 FORMAT_NAME = "kvz-cache"
 FORMAT_VERSION = "1"
@@ -137,7 +138,7 @@ def tokenize(tokenizer, text: str) -> list[int]:
 def cache_metadata(layer_types, rope_theta, token_ids, source: str, *, model: str = "",
                    rope=None, position_offset: int = 0) -> dict[str, str]:
     """The ``__metadata__`` dict of a kvz-cache safetensors file (all strings). ``rope`` (a
-    :class:`~alignpred.rope.RopeSpec`) is the exact RoPE; ``rope_theta`` (per-layer bases, or
+    :class:`~alignpred.cache.rope.RopeSpec`) is the exact RoPE; ``rope_theta`` (per-layer bases, or
     ``None``) the informational legacy description of plain default RoPE."""
     meta = {
         "format": FORMAT_NAME,
@@ -243,11 +244,10 @@ def _cache_kwarg(base_model) -> str:
 def record_kv(model, ids: Sequence[int], *, chunk: int = 1024, dtype: str = "float32", progress: bool = False):
     """Prefill ``ids`` (positions ``0..T-1``) and return ``(tensors, spec, info)``: torch tensors
     ``layers.{i}.key/value`` ``[kv_heads, T, head_dim]`` in ``dtype``, the exact
-    :class:`~alignpred.rope.RopeSpec`, and ``{"seconds", "chunk", "layer_types"}``."""
+    :class:`~alignpred.cache.rope.RopeSpec`, and ``{"seconds", "chunk", "layer_types"}``."""
     import torch
 
-    from .hf_rope import decoder_of, layer_types_of, prefill_chunk, record_rope_calls, rope_spec_from_model, \
-        text_config
+    from .hf_rope import decoder_of, layer_types_of, prefill_chunk, record_rope_calls, rope_spec_from_model, text_config
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")

@@ -156,7 +156,7 @@ class _KvzCodec:
 
     def __init__(self, eps: float, bank, config=None, scope: str = "tensor", session=None):
         from alignpred import CodecConfig, DecoderSession
-        from alignpred.banks import find as find_bank
+        from alignpred.bank.registry import find as find_bank
 
         self.eps = float(eps)
         self.scope = scope
@@ -198,8 +198,8 @@ class _RawCodec:
         return {"codec": "raw", "dtype": self.dtype}
 
     def encode(self, kv, meta) -> bytes:
-        from alignpred.cachefile import cache_bytes
-        from alignpred.layout import numpy_dtype
+        from alignpred.cache.cachefile import cache_bytes
+        from alignpred.cache.layout import numpy_dtype
 
         dt = numpy_dtype(self.dtype)
         tensors = {}
@@ -209,11 +209,11 @@ class _RawCodec:
         return b"".join(cache_bytes(tensors, {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}))
 
     def decode_into(self, blob, out) -> dict:
-        from alignpred.cachefile import parse_safetensors
+        from alignpred.cache.cachefile import parse_safetensors
 
         tensors, meta = parse_safetensors(memoryview(blob))
         n = len(tensors) // 2
-        from alignpred.arrays import as_numpy
+        from alignpred.cache.arrays import as_numpy
 
         for i in range(n):
             k, v = out(i)

@@ -208,7 +208,7 @@ def _check_rope(reader, model, n_positions: int) -> None:
     want = rope_spec_from_model(model, n_positions)
     have = lay.rope
     if have is None:
-        from alignpred.rope import RopeSpec
+        from alignpred.cache.rope import RopeSpec
 
         if not lay.rope_theta:
             raise KvzError(f"{reader.path}: no RoPE metadata")

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from alignpred.rope import RopeSpec, RopeTable
+from alignpred.cache.rope import RopeSpec, RopeTable
 
 __all__ = ["UnsupportedRope", "rope_spec_from_model", "rope_spec_from_config", "prefill_chunk",
            "record_rope_calls", "decoder_of", "text_config", "layer_types_of", "rope_thetas"]

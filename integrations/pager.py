@@ -64,8 +64,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from alignpred import Cache, DecoderSession, KvzError, KvzReader
-from alignpred.arrays import as_numpy
-from alignpred.layout import numpy_dtype
+from alignpred.cache.arrays import as_numpy
+from alignpred.cache.layout import numpy_dtype
 
 __all__ = ["KvPager", "KvzSource", "ArraySource", "PrefetchHandle", "kv_bytes"]
 
@@ -227,7 +227,7 @@ class PrefetchHandle:
     def done(self) -> bool:
         return all(s.done for s in self._slots)
 
-    def wait(self, timeout: float | None = None) -> "PrefetchHandle":
+    def wait(self, timeout: float | None = None) -> PrefetchHandle:
         p = self._pager
         with p._cond:
             t_end = None if timeout is None else time.monotonic() + timeout

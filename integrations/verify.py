@@ -217,7 +217,7 @@ class DraftCache:
         return int(self.layers_kv[0][0].shape[-2])
 
     @classmethod
-    def from_kvz(cls, source, *, bank=None, tier: str | None = None) -> "DraftCache":
+    def from_kvz(cls, source, *, bank=None, tier: str | None = None) -> DraftCache:
         """Decode a .kvz (path / bytes; ``tier="coarse"`` for a two-tier file) to float32."""
         import torch
 
@@ -243,7 +243,7 @@ class DraftCache:
                    info={"eps": r.eps, "tier": tier, "tiers": list(tiers), "bpv": 8.0 * size / lay.n_values})
 
     @classmethod
-    def token_dropped(cls, context_kv, keep, *, dtype_bytes: int = 2, kind: str = "drop") -> "DraftCache":
+    def token_dropped(cls, context_kv, keep, *, dtype_bytes: int = 2, kind: str = "drop") -> DraftCache:
         """Keep positions ``keep`` (a 1-D index array for every layer, or a list of per-layer
         arrays of one length) of the context K/V ``[(k, v)]`` (``[H, n0, D]`` torch)."""
         import torch

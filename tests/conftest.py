@@ -4,8 +4,8 @@ import os
 import numpy as np
 import pytest
 
-from alignpred.cachefile import Cache
-from alignpred.layout import infer_layout
+from alignpred.cache.cachefile import Cache
+from alignpred.cache.layout import infer_layout
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +20,7 @@ def _environment_restored():
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
-BANK = os.path.join(ROOT, "alignpred", "banks", "gemma-3-270m.h5")
+BANK = os.path.join(ROOT, "alignpred", "bank", "data", "gemma-3-270m.h5")
 
 
 def sample_paths():

@@ -8,10 +8,22 @@ import warnings
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
-from alignpred import (BankMismatchError, Cache, DecoderSession, KvzError, KvzReader, KvzWarning, OutputExistsError,
-                       compress, compress_bytes, fit_bank, load_cache, save_cache)
 from conftest import synthetic_cache
+
+from alignpred import (
+    BankMismatchError,
+    Cache,
+    DecoderSession,
+    KvzError,
+    KvzReader,
+    KvzWarning,
+    OutputExistsError,
+    compress,
+    compress_bytes,
+    fit_bank,
+    load_cache,
+    save_cache,
+)
 from kvz.cli.main import cli
 
 
@@ -72,7 +84,7 @@ def test_read_into_memory_is_bounded_by_a_tile():
     reconstructions are not held for the whole range), and the bits are those of read()."""
     import tracemalloc
 
-    from alignpred.reader import TILE_TOKENS
+    from alignpred.format.reader import TILE_TOKENS
 
     c = synthetic_cache(n_layers=4, heads=1, T=8 * TILE_TOKENS, d=64)
     bank = fit_bank([synthetic_cache(n_layers=4, heads=1, T=512, d=64, seed=5)], rank=None)
@@ -164,7 +176,7 @@ def test_rope_bank_against_unroped_cache_is_a_mismatch():
 
 
 def test_rotated_keys_without_metadata_warn():
-    from alignpred.rope import RopeTable
+    from alignpred.cache.rope import RopeTable
 
     rng = np.random.default_rng(0)
     T, d = 512, 32

@@ -10,11 +10,20 @@ import subprocess
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
-from alignpred import (BankMismatchError, KvzError, KvzReader, LayoutError, NonFiniteError, compress, fit_bank,
-                       load_cache, save_cache)
-from kvz.cli.main import cli
 from conftest import synthetic_cache
+
+from alignpred import (
+    BankMismatchError,
+    KvzError,
+    KvzReader,
+    LayoutError,
+    NonFiniteError,
+    compress,
+    fit_bank,
+    load_cache,
+    save_cache,
+)
+from kvz.cli.main import cli
 
 
 def kvz(*args):

@@ -7,8 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvz.benchmarks.baselines import (BASELINES, REQUIRES, Result, cast_back, nrmse, search_continuous,
-                                  search_discrete)
+from kvz.benchmarks.baselines import BASELINES, REQUIRES, Result, cast_back, nrmse, search_continuous, search_discrete
 from kvz.benchmarks.baselines._io import synthetic_cache
 
 EPS = 0.0267

@@ -17,11 +17,19 @@ from scipy import integrate
 from kvz.benchmarks.baselines import BASELINES, REQUIRES, cast_back, nrmse
 from kvz.benchmarks.baselines._io import synthetic_cache
 from kvz.benchmarks.baselines.kivi import KIVI
-from kvz.benchmarks.baselines.kvquant import (KVQuant, kmeans1d, n_outliers_per_side,
-                                              rope_params, with_metadata, _rope)
-from kvz.benchmarks.baselines.turboquant import (TurboQuant, codebook_mse, coord_pdf, lloyd_max_codebook,
-                                                 mse_decode_group, mse_encode_group, qjl_decode, qjl_encode,
-                                                 qjl_matrix, random_rotation)
+from kvz.benchmarks.baselines.kvquant import KVQuant, _rope, kmeans1d, n_outliers_per_side, rope_params, with_metadata
+from kvz.benchmarks.baselines.turboquant import (
+    TurboQuant,
+    codebook_mse,
+    coord_pdf,
+    lloyd_max_codebook,
+    mse_decode_group,
+    mse_encode_group,
+    qjl_decode,
+    qjl_encode,
+    qjl_matrix,
+    random_rotation,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = sorted(glob.glob(os.path.join(ROOT, "samples", "gemma3-270m", "*.safetensors")))
@@ -307,7 +315,7 @@ def _rope_meta(n_layers, theta=1e4):
 
 
 def test_kvquant_pre_rope_roundtrip():
-    from alignpred.rope import apply_rope
+    from alignpred.cache.rope import apply_rope
     rng = np.random.default_rng(3)
     T, d = 80, 32
     # pre-RoPE keys with strong per-channel structure (what per-channel quantisation exploits)

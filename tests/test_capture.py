@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from alignpred.rope import RopeSpec
+from alignpred.cache.rope import RopeSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PROSE = ROOT / "samples" / "texts" / "english-prose.txt"

@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 import pytest
 
-from alignpred.rope import RopeSpec
+from alignpred.cache.rope import RopeSpec
 from kvz.integrations.chunkstore import TOKENS_META, ChunkStore, ChunkStoreWarning, split_chunks, tokens_digest
 from kvz.integrations.kvstore import DirectoryBackend, RedisBackend, StoreWarning
 from kvz.integrations.kvstore.server import redis_server_fixture

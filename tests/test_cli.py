@@ -5,10 +5,10 @@ import sys
 
 import numpy as np
 from click.testing import CliRunner
+from conftest import synthetic_cache
 
 from alignpred import load_cache, save_cache
 from kvz.cli.main import cli
-from conftest import synthetic_cache
 
 
 def _write_cache(tmp_path, **kw):
@@ -80,7 +80,7 @@ def test_cli_start_skips_numba_blas_probe():
         "import sys, numpy as np\n"
         "from kvz.cli.main import _skip_numba_blas_probe\n"
         "_skip_numba_blas_probe()\n"
-        "from alignpred.intmap import quantize_rows\n"
+        "from alignpred.kernels.intmap import quantize_rows\n"
         "quantize_rows(np.ones((1, 2), np.float32))\n"
         "assert 'numba.np.arraymath' in sys.modules and 'scipy.linalg' not in sys.modules\n"
         "import numba, scipy.linalg\n"

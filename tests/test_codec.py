@@ -1,11 +1,11 @@
 """Round trips of the codec on synthetic caches (the real-sample tests are in test_samples.py)."""
 import numpy as np
 import pytest
+from conftest import synthetic_cache
 
 from alignpred import CodecConfig, KvzReader, NonFiniteError, compress, fit_bank
-from alignpred.cachefile import Cache
-from alignpred.layout import infer_layout
-from conftest import synthetic_cache
+from alignpred.cache.cachefile import Cache
+from alignpred.cache.layout import infer_layout
 
 
 def nrmse(a, b):

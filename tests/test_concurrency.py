@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import synthetic_cache
 
 from alignpred import KvzError, KvzReader, compress, fit_bank
-from conftest import synthetic_cache
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 EPS = (0.02, 0.05, 0.1)

@@ -3,11 +3,20 @@ import struct
 
 import numpy as np
 import pytest
-
-from alignpred import (BankMismatchError, ChecksumError, FormatError, KvzError, KvzReader, TruncatedError,
-                       UnsupportedVersionError, compress, fit_bank)
-from alignpred.format.container import FOOTER_SIZE, MAGIC, parse_container
 from conftest import synthetic_cache
+
+from alignpred import (
+    BankMismatchError,
+    ChecksumError,
+    FormatError,
+    KvzError,
+    KvzReader,
+    TruncatedError,
+    UnsupportedVersionError,
+    compress,
+    fit_bank,
+)
+from alignpred.format.container import FOOTER_SIZE, MAGIC, parse_container
 
 
 @pytest.fixture(scope="module")

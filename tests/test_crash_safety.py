@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 import pytest
+from conftest import synthetic_cache
 
 from alignpred import KvzReader, compress, fit_bank
 from alignpred.io import remove_stale_temps
-from conftest import synthetic_cache
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 

@@ -1,4 +1,4 @@
-"""Tests of the entropy-coding stage: alignpred.entropy / alignpred.rans / alignpred.tables."""
+"""Tests of the entropy-coding stage: alignpred.entropy / alignpred.entropy.rans / alignpred.entropy.models."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from alignpred import entropy as E
-from alignpred import rans, tables
+from alignpred.entropy import models as tables
+from alignpred.entropy import rans
 from alignpred.errors import EncodeError, FormatError
 
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1

@@ -22,10 +22,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from alignpred.rope import RopeSpec, RopeTable  # noqa: E402
+from alignpred.cache.rope import RopeSpec, RopeTable  # noqa: E402
 from kvz.integrations.capture import capture_model, load_model, write_cache_atomic  # noqa: E402
-from kvz.integrations.hf_rope import (UnsupportedRope, decoder_of, prefill_chunk,  # noqa: E402
-                                      rope_spec_from_config, rope_spec_from_model)
+from kvz.integrations.hf_rope import (  # noqa: E402
+    UnsupportedRope,
+    decoder_of,
+    prefill_chunk,
+    rope_spec_from_config,
+    rope_spec_from_model,
+)
 
 COMMON = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, pad_token_id=0,

@@ -1,11 +1,11 @@
-"""The fused post-prediction kernel (alignpred.fused) equals its numpy reference bit for bit."""
+"""The fused post-prediction kernel (alignpred.kernels.fused) equals its numpy reference bit for bit."""
 import hashlib
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from alignpred.fused import fused_post, reference_post
+from alignpred.kernels.fused import fused_post, reference_post
 
 DTYPES = [ml_dtypes.bfloat16, np.float16, np.float32]
 

@@ -15,13 +15,21 @@ import zlib
 
 import numpy as np
 import pytest
+from conftest import synthetic_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from alignpred import CodecConfig, KvzError, KvzReader, compress, fit_bank
-from alignpred.format.container import (ENTRY, ENTRY_SIZE, FOOTER_SIZE, PREAMBLE_SIZE, Footer, IndexEntry,
-                                        dump_header, parse_container)
-from conftest import synthetic_cache
+from alignpred.format.container import (
+    ENTRY,
+    ENTRY_SIZE,
+    FOOTER_SIZE,
+    PREAMBLE_SIZE,
+    Footer,
+    IndexEntry,
+    dump_header,
+    parse_container,
+)
 
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
@@ -121,7 +129,7 @@ class MemFiles:
 
 @pytest.fixture
 def work(monkeypatch, tmp_path):
-    import alignpred.reader as kf
+    import alignpred.format.reader as kf
 
     mem = MemFiles()
     monkeypatch.setattr(kf, "map_file", mem.map_file)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from alignpred import Bank, CodecConfig, KvzReader, compress, entropy, load_cache
-from alignpred.layout import numpy_dtype
+from alignpred.cache.layout import numpy_dtype
 
 VEC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "format_spec", "vectors")
 MANIFEST = json.load(open(os.path.join(VEC, "manifest.json")))

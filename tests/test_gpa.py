@@ -1,6 +1,6 @@
 import numpy as np
 
-from alignpred.gpa import fit_gpa, gpa_objective, normalise_rows
+from alignpred.bank.gpa import fit_gpa, gpa_objective, normalise_rows
 
 
 def _rot(rng, d):

@@ -15,8 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from alignpred import Cache, KvzError, KvzReader, fit_bank  # noqa: E402
-from kvz.integrations.hf_bridge import (cache_from_kv, cache_kwarg, capture_prefill, kv_metadata,  # noqa: E402
-                                        load_cache, save_kv)
+from kvz.integrations.hf_bridge import cache_from_kv, cache_kwarg, capture_prefill, kv_metadata, load_cache, save_kv  # noqa: E402
 
 WINDOW = 24
 

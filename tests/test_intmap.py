@@ -1,4 +1,4 @@
-"""Exact integer map products (alignpred.intmap): exactness against int64/float64 references,
+"""Exact integer map products (alignpred.kernels.intmap): exactness against int64/float64 references,
 overflow bounds with worst-case inputs, determinism across thread settings and processes."""
 import hashlib
 import json
@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from alignpred import intmap as im
+from alignpred.kernels import intmap as im
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,7 +109,7 @@ def test_prepare_weights_on_the_bundled_bank():
     """Every map of the bundled bank prepares to the reference integers."""
     from alignpred import Bank
 
-    bank = Bank.load(os.path.join(ROOT, "alignpred", "banks", "gemma-3-270m.h5"))
+    bank = Bank.load(os.path.join(ROOT, "alignpred", "bank", "data", "gemma-3-270m.h5"))
     n = 0
     for name in bank.config["sources"]:
         f = bank.map_factors(name)
@@ -235,8 +235,8 @@ def test_same_bits_in_other_processes(tmp_path):
     """Fresh processes give the same bits (also for the fused post-processing kernel): one with
     NUMBA_NUM_THREADS / OPENBLAS_NUM_THREADS = 2, and one compiled for the generic x86-64 target
     (SSE2 only: ``pmaddwd`` on xmm instead of ``vpdpwssd``) with the thread counts at 1."""
-    code = ("import json, sys; sys.path.insert(0, %r); import test_intmap as t, test_fused as f; "
-            "print(json.dumps([t._hash_case(), f._hash_case()]))" % os.path.join(ROOT, "tests"))
+    code = ("import json, sys; sys.path.insert(0, {!r}); import test_intmap as t, test_fused as f; "
+            "print(json.dumps([t._hash_case(), f._hash_case()]))".format(os.path.join(ROOT, "tests")))
     from test_fused import _hash_case as fused_hash
 
     here = [_hash_case(), fused_hash()]
@@ -253,9 +253,9 @@ def test_real_map_precision():
     fraction of the quantisation noise at eps = 0.0267 (Delta / sqrt(12) = eps * rms(x))."""
     path = os.path.join(ROOT, "samples", "gemma3-270m")
     from alignpred import Bank, load_cache
-    from alignpred.calibrate import block_samples
+    from alignpred.bank.calibrate import block_samples
 
-    bank = Bank.load(os.path.join(ROOT, "alignpred", "banks", "gemma-3-270m.h5"))  # the bundled bank
+    bank = Bank.load(os.path.join(ROOT, "alignpred", "bank", "data", "gemma-3-270m.h5"))  # the bundled bank
     cache = load_cache(os.path.join(path, "english-prose.safetensors"))
     blk = "K.5.0"
     W, _ = bank.map_factors(blk)

@@ -17,8 +17,15 @@ import warnings
 
 import pytest
 
-from kvz.integrations.kvstore import (ChunkBackend, DirectoryBackend, RedisBackend, StoreError,
-                                      StoreUnavailableWarning, StoreWarning, entry_size)
+from kvz.integrations.kvstore import (
+    ChunkBackend,
+    DirectoryBackend,
+    RedisBackend,
+    StoreError,
+    StoreUnavailableWarning,
+    StoreWarning,
+    entry_size,
+)
 from kvz.integrations.kvstore import directory as directory_module
 from kvz.integrations.kvstore.server import RedisServer, redis_server_fixture, require_redis
 

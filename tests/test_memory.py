@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from alignpred import Cache, fit_bank, save_cache
-from alignpred.layout import infer_layout
+from alignpred.cache.layout import infer_layout
 
 pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc"),
               pytest.mark.slow,

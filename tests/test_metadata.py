@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from alignpred import Cache, KvzError, MetadataError, compress, fit_bank
-from alignpred.metadata import parse_metadata
+from alignpred.cache.metadata import parse_metadata
 
 L = 4
 

@@ -1,5 +1,6 @@
 """Packaging: every package folder is installed, under namespaced import names only."""
 import os
+
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import synthetic_cache
 
 from alignpred import ChecksumError, KvzError, KvzReader, compress_bytes, fit_bank
-from conftest import synthetic_cache
 from kvz.integrations.pager import ArraySource, KvPager, KvzSource, kv_bytes
 
 T, L, H, D = 700, 4, 2, 16  # 3 objects: 256, 256, 188 positions

@@ -1,10 +1,10 @@
 import numpy as np
+from conftest import synthetic_cache
 
 from alignpred import CodecConfig, fit_bank
-from alignpred.chain import Chain
-from alignpred.layout import Block
-from alignpred.predictors import MAP
-from conftest import synthetic_cache
+from alignpred.cache.layout import Block
+from alignpred.codec.chain import Chain
+from alignpred.codec.predictors import MAP
 
 
 def test_aligned_map_predicts_the_same_residual_energy():

@@ -8,7 +8,6 @@ import pytest
 
 from kvz.benchmarks import rate_quality as R
 
-
 # ---------------------------------------------------------------------------- interpolation
 
 def test_pareto_keeps_only_points_not_beaten_by_cheaper_ones():
@@ -176,7 +175,7 @@ def test_tiny_end_to_end(tmp_path):
     """Random-weight model shaped like Gemma 3 270M's cache (18 layers, 1 KV head, head_dim 256): every metric
     comes from decoding and running the model; the bf16 floor is tiny, FP8 costs more, bits are counted."""
     model = _tiny_gemma()
-    from alignpred.banks import find
+    from alignpred.bank.registry import find
 
     bank = find("gemma-3-270m")
     tok = _Tok()
@@ -241,11 +240,11 @@ def test_bundled_sensitivity_file():
     import json
     from pathlib import Path
 
-    p = Path(R.ROOT) / "alignpred" / "banks" / "gemma-3-270m.sensitivity.json"
+    p = Path(R.ROOT) / "alignpred" / "bank" / "data" / "gemma-3-270m.sensitivity.json"
     if not p.exists():
         pytest.skip("no sensitivity file")
     d = json.loads(p.read_text())
-    from alignpred.banks import find
+    from alignpred.bank.registry import find
 
     assert d["model"] == "gemma-3-270m" and d["bank_id"] == find("gemma-3-270m").id
     w = d["tensor_weights"]

@@ -1,4 +1,4 @@
-"""alignpred.rope: deterministic cos/sin tables, accuracy, RopeTable/RopeSpec, the block cache."""
+"""alignpred.cache.rope: deterministic cos/sin tables, accuracy, RopeTable/RopeSpec, the block cache."""
 from __future__ import annotations
 
 import hashlib
@@ -14,9 +14,22 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+from alignpred.cache.rope import (
+    _PIO2_0,
+    _PIO2_1,
+    _PIO2_2,
+    _PIO2_3,
+    MAX_ANGLE,
+    RopeSpec,
+    RopeTable,
+    _BlockCache,
+    _sincos_numpy,
+    apply_rope,
+    set_table_cache_bytes,
+    sincos_f32,
+    table_cache_info,
+)
 from alignpred.errors import LayoutError
-from alignpred.rope import (_PIO2_0, _PIO2_1, _PIO2_2, _PIO2_3, MAX_ANGLE, RopeSpec, RopeTable, _BlockCache,
-                            _sincos_numpy, apply_rope, set_table_cache_bytes, sincos_f32, table_cache_info)
 
 # pi to 60 decimals (for checking the Cody-Waite constants)
 PI = Fraction("3.141592653589793238462643383279502884197169399375105820974944")
@@ -89,7 +102,7 @@ def test_kernel_has_no_fma():
 
     from numba import njit
 
-    from alignpred.rope import _sincos_kernel
+    from alignpred.cache.rope import _sincos_kernel
 
     k = njit(_sincos_kernel.py_func)  # fresh, uncached compile so it can be inspected
     a = np.float32(np.arange(64))
@@ -112,7 +125,7 @@ def test_sincos_refuses_huge_or_nonfinite_angles():
 # -- determinism ------------------------------------------------------------------------------------------
 def _fingerprint() -> str:
     """sha256 of tables a decoder would use (inv_freq from a base, large positions, odd tables)."""
-    from alignpred.rope import RopeTable, sincos_f32  # noqa: F811 - also run in a subprocess
+    from alignpred.cache.rope import RopeTable, sincos_f32  # noqa: F811 - also run in a subprocess
 
     h = hashlib.sha256()
     t1 = RopeTable.from_theta(1e4, 128)
@@ -148,8 +161,7 @@ def test_tables_identical_in_subprocess_without_simd(tmp_path):
             env["NPY_DISABLE_CPU_FEATURES"] = " ".join(f for f in __cpu_dispatch__ if __cpu_features__.get(f))
         except ImportError:
             pass
-    code = ("import sys; sys.path.insert(0, %r); import test_rope; print(test_rope._fingerprint())"
-            % os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import test_rope; print(test_rope._fingerprint())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == _fingerprint() == FINGERPRINT

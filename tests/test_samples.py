@@ -1,9 +1,9 @@
 """Round trips on the bundled real Gemma 3 270M caches with the bundled bank (fitted on other documents)."""
 import numpy as np
 import pytest
+from conftest import sample_paths
 
 from alignpred import KvzReader, compress, load_cache
-from conftest import sample_paths
 
 EPS = 0.0267
 

@@ -24,13 +24,12 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from conftest import synthetic_cache
+from test_golden import VEC, VECTORS, expected, from_bits, within_tolerance
 
-import alignpred.writer as _kf
+import alignpred.format.writer as _kf
 from alignpred import CodecConfig, KvzReader, compress, fit_bank
 from alignpred.format.container import parse_container
-from conftest import synthetic_cache
-from test_golden import VEC, expected, from_bits, within_tolerance
-from test_golden import VECTORS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = json.load(open(os.path.join(ROOT, "format_spec", "header.schema.json")))
@@ -179,7 +178,7 @@ def test_crc_check_value():
 
 # -- §7 in pure Python ---------------------------------------------------------------------------
 def spec_tables():
-    path = os.path.join(ROOT, "alignpred", "tables", "models_v1.npz")
+    path = os.path.join(ROOT, "alignpred", "entropy", "data", "models_v1.npz")
     with np.load(path, allow_pickle=False) as z:
         freq, cost = z["freq"], z["cost_fx"]
     canon = b"kvz-models-v1|PREC=15|K=4|T=128|M=240|" + freq.astype("<u2").tobytes() + cost.astype("<u4").tobytes()
@@ -711,7 +710,7 @@ def test_spec_decoder_reproduces_vectors(name):
 
 # -- the 1.1 arithmetic of the spec against the library, beyond the vectors -----------------------
 def test_spec_sincos_matches_library():
-    from alignpred.rope import sincos_f32
+    from alignpred.cache.rope import sincos_f32
 
     rng = np.random.default_rng(0)
     a = np.concatenate([rng.uniform(0, 2 ** 20 * np.pi, 20000), rng.uniform(0, 8, 20000),
@@ -735,13 +734,13 @@ def test_spec_sincos_matches_library():
 
 @pytest.mark.parametrize("theta,d", [(1e4, 16), (1e4, 256), (1e6, 128), (5e5, 64), (10000.5, 12), (1.5, 8)])
 def test_spec_default_inv_freq_matches_library(theta, d):
-    from alignpred.rope import RopeTable
+    from alignpred.cache.rope import RopeTable
 
     assert _same_bits(spec_default_inv_freq(theta, d), np.array(RopeTable.from_theta(theta, d).inv_freq, F32))
 
 
 def test_spec_exact_map_matches_library():
-    from alignpred.intmap import IntMap
+    from alignpred.kernels.intmap import IntMap
 
     rng = np.random.default_rng(1)
     for trial in range(6):
@@ -781,8 +780,8 @@ def test_golden_headers_match_schema(vec):
 def test_written_headers_match_schema(kw, tmp_path):
     c = synthetic_cache(n_layers=2, heads=2, T=40, d=8, dtype=kw.get("dtype", np.float16), roped=kw.get("roped", False))
     if kw.get("batch"):
-        from alignpred.cachefile import Cache
-        from alignpred.layout import infer_layout
+        from alignpred.cache.cachefile import Cache
+        from alignpred.cache.layout import infer_layout
 
         t = {k: v[None] for k, v in c.tensors.items()}
         c = Cache(t, c.metadata, infer_layout(t, c.metadata))

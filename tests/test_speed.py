@@ -135,7 +135,7 @@ def test_bound_counts_the_map_products(tiny):
     """The bound section times the real integer map products of a read and counts their
     multiply-adds: 2 layers x K,V, one head of 32 channels, 300 rows; the second layer's blocks
     are predicted from earlier blocks (padded to 32 outputs, even d_in)."""
-    from alignpred import intmap
+    from alignpred.kernels import intmap
 
     cache, bank = tiny
     c = S.KvzCodec(cache, bank)

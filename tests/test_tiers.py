@@ -2,10 +2,10 @@
 to the original bits."""
 import numpy as np
 import pytest
+from conftest import sample_paths, synthetic_cache
 
 from alignpred import ChecksumError, KvzError, KvzReader, compress, fit_bank, load_cache
-from alignpred.refine import apply, contexts, ordinal, symbols
-from conftest import sample_paths, synthetic_cache
+from alignpred.codec.refine import apply, contexts, ordinal, symbols
 
 
 def same_bits(a, b):

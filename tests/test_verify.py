@@ -125,8 +125,7 @@ except ImportError:  # the model extra is not installed: the numpy-only tests ab
     torch = transformers = None
 needs_torch = pytest.mark.skipif(torch is None, reason="needs torch and transformers (the model extra)")
 
-from kvz.integrations.verify import (DraftCache, PagedFullKV, VeriCacheDecoder, greedy_reference,  # noqa: E402
-                                     window_keep)
+from kvz.integrations.verify import DraftCache, PagedFullKV, VeriCacheDecoder, greedy_reference, window_keep  # noqa: E402
 
 
 def TableLM(tables):  # noqa: N802 - reads like the class it builds

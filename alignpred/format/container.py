@@ -24,7 +24,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from ..errors import ChecksumError, FormatError, TruncatedError, UnsupportedVersionError
+from alignpred.errors import ChecksumError, FormatError, TruncatedError, UnsupportedVersionError
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"KVZ-END\x00"
@@ -81,7 +81,7 @@ class Footer:
                            self.header_crc, self.index_crc, crc32(body), 0, END_MAGIC)
 
     @classmethod
-    def unpack(cls, b, file_size: int) -> "Footer":
+    def unpack(cls, b, file_size: int) -> Footer:
         if len(b) != FOOTER_SIZE:
             raise TruncatedError("file is truncated (no footer)")
         ho, hl, io, il, hc, ic, fc, reserved, end = FOOTER.unpack(b)

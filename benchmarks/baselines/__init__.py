@@ -8,9 +8,21 @@ from __future__ import annotations
 
 import importlib
 
-from ._core import (ALLOCS, Baseline, Encoded, Result, TensorCodec, cast_back, error_stats, n_values, nrmse,
-                    run_codec, search_continuous, search_discrete)
 from . import fp8, hevc, kivi, kvquant, kvtc, lossless, sz3, turboquant, zfp
+from ._core import (
+    ALLOCS,
+    Baseline,
+    Encoded,
+    Result,
+    TensorCodec,
+    cast_back,
+    error_stats,
+    n_values,
+    nrmse,
+    run_codec,
+    search_continuous,
+    search_discrete,
+)
 
 BASELINES: dict[str, TensorCodec] = {}
 for _m in (fp8, kivi, sz3, zfp, kvtc, hevc, lossless, turboquant, kvquant):
@@ -22,7 +34,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "zstd": ("zstandard",), "zstd_shuffle": ("zstandard",), "pcodec": ("pcodec",),
 }
 # The field's KV quantisers (turboquant_*, kivi*_r128, kvquant*) need only numpy/scipy (core dependencies); the
-# pre-RoPE key path of kvquant* also imports alignpred.rope.
+# pre-RoPE key path of kvquant* also imports alignpred.cache.rope.
 REQUIRES.update({name: () for name in BASELINES if name.startswith(("turboquant", "kvquant"))})
 REQUIRES.update({"kivi2_r128": (), "kivi4_r128": ()})
 

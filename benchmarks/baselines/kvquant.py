@@ -5,7 +5,7 @@ What is implemented (per tensor ``[..., T, d]``; leading dims are heads):
 
 * **Per-channel, pre-RoPE keys.** Keys are cached post-RoPE; when the cache metadata says so (``keys_roped``,
   per-layer ``rope_theta``, ``rope_pairing``, ``position_offset``), RoPE is undone
-  (``alignpred.rope.apply_rope(..., inverse=True)``), the keys are quantised per channel (a vector = one channel
+  (``alignpred.cache.rope.apply_rope(..., inverse=True)``), the keys are quantised per channel (a vector = one channel
   over the tokens), and RoPE is re-applied to the dequantised keys at decode. Without metadata the codec cannot
   undo RoPE: it quantises the keys as stored and reports ``extra["kvquant_rope"] = "unknown (post-RoPE)"``. The
   metadata is read in :meth:`KVQuant.prepare` from ``cache.metadata`` (a dict subclass carrying it, e.g.
@@ -46,7 +46,7 @@ name, default 1 %.
 Other simplifications: k-means is our own 1-D Lloyd from a quantile start (the reference uses scikit-learn's
 k-means++); value codebooks are calibrated on tokens normalised exactly as at run time (inlier min/max), where the
 reference calibrates on percentile-normalised tokens; no per-token outlier cap; RoPE without scaling variants (what
-``alignpred.rope`` implements). Keys whose calibration does not match the cache (another domain) get more
+``alignpred.cache.rope`` implements). Keys whose calibration does not match the cache (another domain) get more
 outliers at run time and hence more bits - that is the method's behaviour, reported as measured.
 """
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _rope(x: np.ndarray, name: str, rp: dict | None, inverse: bool, offset: int 
     """Undo (inverse=True) or apply RoPE to keys [H, T, d] (float32); identity if no RoPE is known/needed."""
     if not rp or not rp.get("roped"):
         return x
-    from alignpred.rope import apply_rope
+    from alignpred.cache.rope import apply_rope
     li = _layer(name)
     th = rp["theta"]
     theta = th[li] if li is not None and li < len(th) else th[-1]

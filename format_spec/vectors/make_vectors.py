@@ -95,7 +95,7 @@ FROZEN = ("synth-tensor-extbank", "synth-object-embedded-align", "synth-pooled-f
 def _rope_meta(n_layers, d):
     """A format-1.1 RoPE spec: interleaved pairs, partial rotary (d - 4 channels), YaRN-like
     attention scaling, one table on sliding layers and another on the last layer."""
-    from alignpred.rope import RopeSpec, RopeTable
+    from alignpred.cache.rope import RopeSpec, RopeTable
 
     a = RopeTable.from_theta(1e4, d, rotary_dim=d - 4, pairing="interleaved", attention_scaling=1.25)
     b = RopeTable.from_theta(1e6, d, rotary_dim=d - 4, pairing="interleaved", attention_scaling=1.25)
@@ -246,7 +246,7 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def from_bits_dtype(bits: np.ndarray, dtype: str) -> np.ndarray:
-    from alignpred.layout import numpy_dtype
+    from alignpred.cache.layout import numpy_dtype
 
     return bits.view(numpy_dtype(dtype))
 
@@ -278,7 +278,7 @@ def make(name, factory, ckw, bkw, out=HERE) -> dict:
         tier, kk = divmod(k, n_coarse)
         ti, j = divmod(kk, n_obj)
         if tier:  # refinement symbols: per-symbol models from the coarse decode's exponents
-            from alignpred.refine import contexts
+            from alignpred.codec.refine import contexts
 
             coarse = from_bits_dtype(arrays[f"coarse.{r.metas[ti].name}"], r.layout.dtype)
             blk = np.asarray(coarse[0] if r.layout.batch_dim else coarse)[:, j * r.config.object_size:

@@ -24,8 +24,8 @@ import hashlib
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .errors import CorruptEntryError, StoreError
 

@@ -101,7 +101,7 @@ class RedisServer:
     def dir(self) -> str | None:
         return self._state["dir"]
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         if self.running:
             return self
         if not self.executable:
@@ -147,7 +147,7 @@ class RedisServer:
         _stop_process(self._state["proc"])
         self._state["proc"] = None
 
-    def restart(self) -> "RedisServer":
+    def restart(self) -> RedisServer:
         self.stop()
         return self.start()
 
@@ -155,7 +155,7 @@ class RedisServer:
         """Stop the server and remove its temporary folder."""
         self._finalizer()
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

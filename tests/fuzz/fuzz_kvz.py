@@ -27,11 +27,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (conftest helpers)
 
 import numpy as np  # noqa: E402
+from conftest import synthetic_cache  # noqa: E402
 
-import alignpred.reader as kf  # noqa: E402
+import alignpred.format.reader as kf  # noqa: E402
 from alignpred import CodecConfig, KvzError, KvzReader, compress, fit_bank  # noqa: E402
 from alignpred.format import container  # noqa: E402
-from conftest import synthetic_cache  # noqa: E402
 
 _MEM = {}
 kf.map_file = lambda path: memoryview(_MEM[path])
@@ -91,18 +91,18 @@ def _instrument():
     import inspect
     import json.decoder
 
-    import alignpred.bank
-    import alignpred.decoder
+    import alignpred.bank.bank
+    import alignpred.cache.layout
+    import alignpred.cache.metadata
+    import alignpred.codec.decoder
+    import alignpred.codec.plan
     import alignpred.entropy
-    import alignpred.header
-    import alignpred.layout
-    import alignpred.metadata
-    import alignpred.plan
-    import alignpred.quantize
+    import alignpred.format.header
+    import alignpred.kernels.quantize_ref
 
     n = 0
-    for mod in (kf, container, alignpred.bank, alignpred.decoder, alignpred.entropy, alignpred.header,
-                alignpred.layout, alignpred.metadata, alignpred.plan, alignpred.quantize, json.decoder):
+    for mod in (kf, container, alignpred.bank.bank, alignpred.codec.decoder, alignpred.entropy, alignpred.format.header,
+                alignpred.cache.layout, alignpred.cache.metadata, alignpred.codec.plan, alignpred.kernels.quantize_ref, json.decoder):
         for obj in list(vars(mod).values()):
             members = vars(obj).values() if inspect.isclass(obj) and obj.__module__ == mod.__name__ else [obj]
             for f in members:

@@ -1,0 +1,2 @@
+"""The package version, written once (``pyproject.toml`` reads it from here)."""
+__version__ = "0.2.0"

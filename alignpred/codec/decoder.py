@@ -1,0 +1,163 @@
+"""The AlignPred decoder: objects -> native tensors, layer by layer, for a range of objects.
+
+Layers are decoded in order (a block is predicted from earlier layers); a layer that was not
+asked for is still reconstructed in the coding frame when a later layer needs it, but never
+cast to the output dtype or copied out.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from alignpred import entropy
+from alignpred.cache.layout import Block
+from alignpred.codec import refine
+from alignpred.codec.chain import OBJ_ZERO, Chain
+from alignpred.codec.predictors import INTERP
+from alignpred.errors import FormatError
+from alignpred.kernels.fused import fused_post
+from alignpred.kernels.quantize import dequant_add
+from alignpred.kernels.quantize_ref import dequantize_residual
+
+
+class Decoder(Chain):
+    """Decode objects back to native tensors."""
+
+    def check(self, metas: list) -> None:
+        """Reject per-channel modes or model ids a decoder could not honour (corrupt header)."""
+        lay = self.layout
+        for ti, meta in enumerate(metas):
+            layer, kind = lay.tensors()[ti]
+            if meta.models.shape != (lay.kv_heads * lay.head_dim,) or \
+                    int(meta.models.max(initial=0)) >= entropy.N_MODELS:
+                raise FormatError(f"{meta.name}: invalid entropy model ids in header")
+            if meta.modes.shape != (lay.kv_heads, lay.head_dim):
+                raise FormatError(f"{meta.name}: invalid predictor modes in header")
+            for h in range(lay.kv_heads):
+                allowed = set(self.plans[Block(layer, kind, h).name].modes())
+                if not set(np.unique(meta.modes[h]).tolist()) <= allowed:
+                    raise FormatError(f"{meta.name}: predictor modes not available with this bank/config")
+
+    def _symbols(self, models, fetch, ti: int, j0: int, j1: int, n_rows: int, what: str):
+        """Symbols (channel-major ``[H*d, n_rows]``, as the entropy coder emits them), steps and
+        zero flags per object, of objects ``j0..j1-1`` of tensor ``ti``."""
+        lay = self.layout
+        S = self.config.object_size
+        start = j0 * S
+        q = np.empty((lay.kv_heads * lay.head_dim, n_rows), np.int32)
+        deltas = np.empty(j1 - j0, np.float32)
+        zero = np.zeros(j1 - j0, bool)
+        for j in range(j0, j1):
+            entry, payload = fetch(ti, j)
+            a = j * S - start
+            if entry.n_tokens != min(S, lay.n_tokens - j * S):
+                raise FormatError(f"{what}: object {j} has the wrong length")
+            deltas[j - j0] = entry.delta
+            cols = q[:, a:a + entry.n_tokens]
+            if entry.flags & OBJ_ZERO:
+                zero[j - j0] = True
+                cols[...] = 0
+            else:  # straight into its columns of q
+                entropy.decode(payload, models, cols.shape, self.coder, out=cols)
+        return q, deltas, zero
+
+    def decode_range(self, metas: list, fetch, j0: int, j1: int, layers=None, out=None, refine_fetch=None):
+        """Decode objects ``j0..j1-1`` of every tensor up to the last layer in ``layers`` (an
+        iterable of layer indices; default all); yield ``(ti, name, array [kv_heads, rows, d])``
+        for the tensors of ``layers``. ``fetch(tensor_index, object_index)`` returns ``(entry,
+        payload)`` with ``entry`` having ``n_tokens``, ``flags`` and ``delta``. ``out(ti)``
+        (optional) returns the array ``[kv_heads, rows, d]`` (a view into the caller's buffer, of
+        the layout's dtype) to write tensor ``ti`` into; otherwise arrays are allocated. With
+        ``refine_fetch`` (same contract, refinement objects) the exact tier is decoded: the coarse
+        values refined to the original bits."""
+        lay = self.layout
+        S = self.config.object_size
+        H, d = lay.kv_heads, lay.head_dim
+        wanted = set(range(lay.num_layers)) if layers is None else set(layers)
+        last = max(wanted)
+        start = j0 * S
+        recon: dict = {}
+        n_rows = min(lay.n_tokens, j1 * S) - start
+        for ti, (layer, kind) in enumerate(lay.tensors()):
+            if layer > last:
+                break
+            meta = metas[ti]
+            q, deltas, zero = self._symbols(meta.models, fetch, ti, j0, j1, n_rows, meta.name)
+            delta_rows, zr = self.delta_rows(deltas, zero, start, n_rows)
+            emit = layer in wanted
+
+            dst: Any = None
+            if emit:
+                dst = out(ti) if out is not None else np.empty((H, n_rows, d), self.frame.out_dtype)
+            for h in range(H):
+                blk = Block(layer, kind, h)
+                plan = self.plans[blk.name]
+                m = meta.modes[h]
+                base = plan.predict(m, recon, n_rows)
+                qh = q[h * d:(h + 1) * d]
+                if self.config.arith == "exact":
+                    rec = self._block_exact(base, qh, delta_rows, zr, m, blk, start, dst[h] if emit else None)
+                    if plan.block in self._last_use:
+                        recon[blk.name] = rec
+                    self.prune(recon, blk.name)
+                    continue
+                rec = dequant_add(base, qh, delta_rows)
+                interp = np.nonzero(m & INTERP)[0]
+                if len(interp):  # odd rows of interpolated channels depend on their even neighbours
+                    wh = dequantize_residual(qh[interp].T, delta_rows, np.ones(len(interp), bool), S)
+                    rec[:, interp] = base[:, interp] + wh
+                if zr.any():
+                    rec[zr] = self.frame.zero_image(blk)
+                if plan.block in self._last_use:
+                    recon[blk.name] = rec
+                if emit:
+                    x = self.frame.to_native(rec, blk, start)
+                    if zr.any():
+                        x[zr] = 0
+                    dst[h] = x
+                self.prune(recon, blk.name)
+            if emit:
+                if refine_fetch is not None:
+                    self._refine(dst, meta, refine_fetch, ti, j0, j1)
+                yield ti, meta.name, dst
+
+    def _block_exact(self, base, qh, delta_rows, zr, modes, blk, start: int, dst):
+        """One block of a format-1.1 file in one fused pass (:func:`alignpred.kernels.fused.fused_post`):
+        dequantise, interpolate, reconstruct (in place in ``base``), and — when ``dst`` is given
+        — mean, RoPE, clip and cast straight into ``dst [rows, d]``. Returns the reconstruction."""
+        plan = self.plans[blk.name]
+        fr = self.frame
+        n = base.shape[0]
+        rec = np.ascontiguousarray(base, np.float32)
+        native = dst if dst is not None and dst.dtype == fr.out_dtype else None
+        if native is None:  # not emitted, or the caller's buffer has another dtype: cast afterwards
+            native = np.empty((n, base.shape[1]), fr.out_dtype)
+        fused_post(rec, qh, delta_rows, (modes & INTERP) != 0, self.config.object_size, plan.mean,
+                   fr.rope_args(blk, start, n), fr.fmax, fr.out_dtype, rec=rec, native=native)
+        if zr.any():
+            rec[zr] = fr.zero_image(blk)
+            native[zr] = 0
+        if dst is not None and native is not dst:
+            dst[...] = native
+        return rec
+
+    def _refine(self, dst, meta, fetch, ti: int, j0: int, j1: int) -> None:
+        """Refine the coarse values of tensor ``ti`` in ``dst [H, rows, d]`` to the exact bits:
+        each object's symbols are coded channel-major with a model per context (the exponent of
+        the coarse value, known here before the symbol)."""
+        lay = self.layout
+        S = self.config.object_size
+        H, d = lay.kv_heads, lay.head_dim
+        for j in range(j0, j1):
+            entry, payload = fetch(ti, j)
+            n = min(S, lay.n_tokens - j * S)
+            if entry.n_tokens != n:
+                raise FormatError(f"{meta.name}: refinement object {j} has the wrong length")
+            if entry.flags & OBJ_ZERO:
+                continue
+            rows = slice(j * S - j0 * S, j * S - j0 * S + n)
+            coarse = np.ascontiguousarray(dst[:, rows])  # [H, n, d]
+            ctx = refine.contexts(coarse.transpose(0, 2, 1))
+            r = entropy.decode_ctx(payload, meta.refine_models[ctx.reshape(-1)])
+            dst[:, rows] = refine.apply(coarse, r.reshape(H, d, n).transpose(0, 2, 1))

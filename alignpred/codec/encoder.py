@@ -1,0 +1,543 @@
+"""The AlignPred encoder: tensors -> objects of quantised, entropy-coded prediction residuals.
+
+Each tensor is cut into objects of ``object_size`` positions. Per block (one head of one tensor)
+and channel a prediction mode is chosen (:mod:`alignpred.codec.predictors`); residuals are quantised on
+a lattice whose step is searched so that the *measured* error, after the inverse transform and
+the cast to the source dtype, meets ``eps`` in every unit of the scope (``object``, ``tensor`` or
+``pooled``, or ``weighted`` — a pooled budget in which each tensor's error counts by a weight, e.g.
+its measured effect on the model's output; both cap every tensor at ``tensor_cap × eps``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from alignpred import entropy
+from alignpred.cache.layout import Block, tensor_name
+from alignpred.codec.chain import OBJ_ZERO, Chain, obj_sums
+from alignpred.codec.predictors import BASE_MASK, INTERP, ZERO
+from alignpred.codec.ratesearch import bracket_search
+from alignpred.errors import EncodeError, NonFiniteError
+from alignpred.kernels.quantize import candidate_bits, quantize
+from alignpred.threads import default_threads, pool
+
+SCOPES = ("object", "tensor", "pooled", "weighted")
+JOINT = ("pooled", "weighted")  # scopes whose budget spans the whole cache
+CHOICE_OBJECTS = 8  # the encoder chooses predictor modes on at most this many objects per tensor
+TENSOR_CAP = 3.0  # pooled/weighted scope: default cap of every tensor's NRMSE, in multiples of eps
+
+
+@dataclass
+class EncodedObject:
+    tensor: int
+    token_start: int
+    n_tokens: int
+    flags: int
+    delta: float
+    sq_err: float
+    sq_norm: float
+    payload: bytes
+
+
+@dataclass
+class TensorMeta:
+    """Per-tensor coding parameters (stored in the file header)."""
+
+    name: str
+    modes: np.ndarray  # uint8 [kv_heads, head_dim]
+    models: np.ndarray  # uint8 [kv_heads * head_dim]
+    sq_err: float = 0.0
+    sq_norm: float = 0.0
+    objects: list = field(default_factory=list, repr=False)
+    refine_models: np.ndarray | None = None  # uint8 [kv_heads * head_dim]: refinement tier's models
+
+
+class Encoder(Chain):
+    """Encode a cache in bounded memory. ``scope`` is ``object``, ``tensor``, ``pooled`` or
+    ``weighted``; ``tensor_cap`` (pooled and weighted scopes; 0 = none) bounds every tensor's
+    NRMSE by ``tensor_cap * eps``. ``weights`` (weighted scope: one positive number per tensor, in
+    layout order) make the budget ``sum_t w_t NRMSE_t^2 <= eps^2 sum_t w_t``; steps are then
+    allocated as ``Δ_t ∝ ||X_t|| / sqrt(w_t)``, which minimises the bits for that budget.
+
+    Work runs *object chunk by object chunk* through every layer (``chunk_objects`` objects of
+    every tensor at a time), as predictions only combine rows of the same positions: memory
+    holds one chunk of each referenced block, never a whole tensor. The steps are searched
+    jointly: each pass codes the whole cache at one step per scope unit and measures every
+    object's error; units are updated together until all meet ``eps`` and lie within 0.6 % of
+    it. A last pass at the chosen steps emits the payloads, chunk-major
+    (:meth:`encode` yields them; :attr:`metas` holds the per-tensor parameters afterwards).
+
+    ``release(view)`` (optional) is called with every input slice once it has been read, e.g.
+    to drop mapped input pages from the resident set.
+    """
+
+    def __init__(self, layout, bank, config, eps: float, scope: str = "tensor", coder: str = "rans4",
+                 chunk_objects: int = 2, tensor_cap: float = TENSOR_CAP, plans=None, weights=None,
+                 threads: int | None = None):
+        super().__init__(layout, bank, config, coder, plans)
+        if not (0.0 < eps < 1.0):
+            raise EncodeError(f"eps must be in (0, 1), got {eps}")
+        if scope not in SCOPES:
+            raise EncodeError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
+        if not (tensor_cap == 0 or 1.0 <= tensor_cap < 1e6):
+            raise EncodeError(f"tensor_cap must be 0 (none) or >= 1, got {tensor_cap}")
+        self.eps = float(eps)
+        self.scope = scope
+        self.tensor_cap = float(tensor_cap) if scope in JOINT else 0.0
+        n_t = 2 * layout.num_layers
+        self.weights: np.ndarray | None = None
+        if scope == "weighted":
+            w = np.asarray(weights if weights is not None else [], np.float64).reshape(-1)
+            if w.shape != (n_t,) or not np.all(np.isfinite(w)) or not np.all(w > 0):
+                raise EncodeError(f"the weighted scope needs {n_t} positive finite tensor weights")
+            self.weights = w
+        elif weights is not None:
+            raise EncodeError("tensor weights are used by the weighted scope only")
+        self.chunk_objects = max(1, int(chunk_objects))
+        self.threads = default_threads() if threads is None else max(1, int(threads))
+        self._pool = pool(self.threads) if self.threads > 1 else None
+        self.metas: list[TensorMeta] = []
+        self._release = None
+        self._early: dict | None = None
+        S = config.object_size
+        self.n_obj = -(-layout.n_tokens // S)
+        self.tensors = layout.tensors()
+        self.obj_rows = np.minimum(S, layout.n_tokens - S * np.arange(self.n_obj))
+
+    # -- input -----------------------------------------------------------------------------------
+    def _rows(self, tensors, ti: int, a: int, b: int) -> np.ndarray:
+        """Native rows ``[a, b)`` of tensor ``ti`` as float32 ``[kv_heads, b - a, d]``."""
+        arr = tensors[tensor_name(*self.tensors[ti])]
+        arr = arr[0] if self.layout.batch_dim else arr
+        view = arr[:, a:b]
+        x = np.asarray(view, np.float32)
+        if self._release is not None:
+            self._release(view)
+        return x
+
+    def _norms(self, tensors) -> np.ndarray:
+        """Squared norm of every object ``[n_tensors, n_obj]`` (float64); rejects NaN/Inf."""
+        S, C = self.config.object_size, self.chunk_objects
+        norms = np.zeros((len(self.tensors), self.n_obj))
+        for j0 in range(0, self.n_obj, C):
+            j1 = min(self.n_obj, j0 + C)
+            a, b = j0 * S, min(self.layout.n_tokens, j1 * S)
+            for ti in range(len(self.tensors)):
+                x = self._rows(tensors, ti, a, b)
+                if not np.isfinite(x).all():
+                    bad = np.argwhere(~np.isfinite(x))
+                    h, t, c = (int(v) for v in bad[0])
+                    raise NonFiniteError(f"{tensor_name(*self.tensors[ti])}: {len(bad)}+ NaN/Inf values (first at "
+                                         f"head {h}, token {a + t}, channel {c}); kvz refuses non-finite input: fix "
+                                         "the cache or replace them before compressing")
+                sq = [np.einsum("ij,ij->i", xh.astype(np.float64), xh.astype(np.float64)) for xh in x]
+                norms[ti, j0:j1] = sum(obj_sums(v, S) for v in sq)  # per head, then summed: as before
+        return norms
+
+    # -- coding one head of one chunk ------------------------------------------------------------
+    def _code_head(self, plan, m, z, local, delta_rows, zero_rows, blk, base=None):
+        if base is None:
+            base = plan.predict(m, local, z.shape[0])
+        q, wh, big = quantize(z, delta_rows, (m & INTERP) != 0, self.config.object_size, base=base)
+        if big >= 2.0 ** 30:
+            raise EncodeError("quantisation step too small for the residuals (eps too small?)")
+        rec = base + wh
+        if zero_rows.any():
+            q[zero_rows] = 0
+            rec[zero_rows] = self.frame.zero_image(blk)
+        return q, rec
+
+    def _row_errors(self, rec, xh, blk, start) -> np.ndarray:
+        """Squared error per row after the inverse transform and the cast, object by object."""
+        S = self.config.object_size
+        e = np.empty(rec.shape[0])
+        for a in range(0, rec.shape[0], S):
+            d = self.frame.to_native(rec[a:a + S], blk, start + a).astype(np.float64) - xh[a:a + S]
+            e[a:a + S] = np.einsum("ij,ij->i", d, d)
+        return e
+
+    # -- predictor modes and first steps, on a sample of objects --------------------------------
+    def _sample_objects(self) -> np.ndarray:
+        if self.n_obj <= CHOICE_OBJECTS:
+            return np.arange(self.n_obj)
+        return np.unique(np.linspace(0, self.n_obj - 1, CHOICE_OBJECTS).round().astype(int))
+
+    def _sample_search(self, tensors, norms, zero, progress=None):
+        """Predictor modes and steps measured on at most :data:`CHOICE_OBJECTS` objects spread
+        over the cache (all of them in short caches, where the result is final).
+
+        Tensor and object scope: tensor by tensor, the modes with the smallest estimated cost at
+        the initial step, then the step search with earlier tensors' sampled rows fixed.
+        Pooled: whole-sample passes (one step, tensors over their cap with their own). Returns
+        ``(modes, delta [n_tensors, n_obj] float32, token histograms of the sample at delta)``."""
+        S = self.config.object_size
+        objs = self._sample_objects()
+        lay = self.layout
+        H, d = lay.kv_heads, lay.head_dim
+        n_t = len(self.tensors)
+        zs_cache: dict = {}
+
+        def sample(ti):
+            if ti not in zs_cache:
+                layer, kind = self.tensors[ti]
+                x = [self._rows(tensors, ti, j * S, j * S + int(self.obj_rows[j])) for j in objs]
+                z = [np.concatenate([self.frame.to_frame(xj[h], Block(layer, kind, h), j * S)
+                                     for xj, j in zip(x, objs)]) for h in range(H)]
+                zs_cache.clear()  # one tensor's sample at a time
+                zs_cache[ti] = (np.concatenate(x, axis=1), z)
+            return zs_cache[ti]
+
+        preds: dict = {}  # block -> base prediction from the current sources (reused across step tries)
+
+        def code(ti, delta_obj, local, modes):
+            """Code tensor ``ti``'s sample; returns (modes, per-object error, recs, hist, q).
+            Predictions are kept in ``preds`` while ``local`` (the sources) is unchanged."""
+            layer, kind = self.tensors[ti]
+            x, z = sample(ti)
+            dr, zr = zip(*(self.delta_rows(delta_obj[k:k + 1], zero[ti, j:j + 1], j * S) for k, j in enumerate(objs)))
+            delta_rows, zero_rows = np.concatenate(dr), np.concatenate(zr)
+            loc = dict(local)
+            err = np.zeros(len(objs))
+            hist = np.zeros((H * d, entropy.N_TOKENS), np.int32)
+            chosen = []
+            q_all = np.empty((len(delta_rows), H * d), np.int32)
+            for h in range(H):
+                blk = Block(layer, kind, h)
+                plan = self.plans[blk.name]
+                m, bases = self._choose(plan, z[h], loc, delta_rows) if modes is None else (modes[h], None)
+                pred = preds.get(blk.name)
+                if pred is None:
+                    pred = plan.predict(m, loc, z[h].shape[0], bases)
+                    # Kept for the next tries unless a source is another head of this tensor.
+                    if not any(s.startswith(f"{kind}.{layer}.") for s in plan.sources):
+                        preds[blk.name] = pred
+                q, loc[blk.name] = self._code_head(plan, m, z[h], loc, delta_rows, zero_rows, blk, pred)
+                q_all[:, h * d:(h + 1) * d] = q
+                e = np.concatenate([self._row_errors(loc[blk.name][k * S:k * S + int(self.obj_rows[j])], x[h][k * S:],
+                                                     blk, j * S) for k, j in enumerate(objs)])
+                e[zero_rows] = 0.0
+                err += obj_sums(e, S)
+                if (~zero_rows).any():
+                    hist[h * d:(h + 1) * d] = entropy.histogram(np.ascontiguousarray(q[~zero_rows].T))[0]
+                chosen.append(m)
+            return np.stack(chosen), err, {b: loc[b] for b in loc if b not in local}, hist, q_all
+
+        rows = self.obj_rows[objs] * H * d
+        modes: list = [None] * n_t
+        hists = np.zeros((n_t, H * d, entropy.N_TOKENS), np.int32)
+        delta = np.zeros((n_t, self.n_obj), np.float32)
+        if self.scope in JOINT:
+            def evaluate(dt):  # one step per tensor -> (errors per tensor, histograms)
+                preds.clear()  # earlier tensors' reconstructions change with the steps
+                local: dict = {}
+                errs, hs = np.zeros(n_t), []
+                for ti in range(n_t):
+                    modes[ti], err, recs, h, _ = code(ti, np.full(len(objs), dt[ti], np.float32), local, modes[ti])
+                    local.update(recs)
+                    for b in recs:
+                        self.prune(local, b)
+                    errs[ti] = float(err.sum())
+                    hs.append(h)
+                return errs, hs
+
+            norm_t = norms[:, objs].sum(axis=1)
+            g0 = max(self.eps * np.sqrt(12.0 * norm_t.sum() / (rows.sum() * n_t)), 1e-30)
+            dt, hs = self._pooled_search(evaluate, g0 * self._step_shape(norm_t), norm_t)
+            return modes, np.repeat(dt.astype(np.float32)[:, None], self.n_obj, axis=1), np.stack(hs)
+        local: dict = {}
+        for ti in range(n_t):
+            if self.scope == "object":
+                target = self.eps ** 2 * norms[ti, objs]
+                d0 = self.eps * np.sqrt(12.0 * norms[ti, objs] / rows)
+            else:
+                norm = norms[ti, objs].sum()
+                target = np.array([self.eps ** 2 * norm])
+                d0 = np.array([self.eps * np.sqrt(12.0 * norm / rows.sum())])
+            d0 = np.maximum(d0, 1e-30)
+            expand = (lambda dl: dl) if self.scope == "object" else (lambda dl: np.full(len(objs), dl[0]))
+
+            preds.clear()  # the sources of tensor ti are fixed during its search
+
+            def evaluate(dl):
+                m, err, recs, h, q = code(ti, expand(dl.astype(np.float32)).astype(np.float32), local, modes[ti])
+                modes[ti] = m
+                return (err if self.scope == "object" else np.array([err.sum()])), (recs, h, q, err)
+
+            dl, (recs, hists[ti], q, err) = bracket_search(evaluate, d0, target,
+                                                           f"{tensor_name(*self.tensors[ti])}: ")
+            local.update(recs)
+            for b in recs:
+                self.prune(local, b)
+            dl = expand(dl.astype(np.float32))
+            if self.scope == "object":  # unsampled objects: their initial step scaled like the sample's
+                full0 = np.maximum(self.eps * np.sqrt(12.0 * norms[ti] / (self.obj_rows * H * d)), 1e-30)
+                delta[ti] = full0 * float(np.median(dl / d0))
+                delta[ti, objs] = dl
+            else:
+                delta[ti] = dl[0]
+            if progress:  # in positions of the whole cache, like the passes
+                progress(int(self.obj_rows[objs].sum()) / n_t)
+            if self.n_obj <= CHOICE_OBJECTS:  # the sample is the cache: this tensor is final
+                models = self._models(hists[ti], zero[ti])
+                self._early["models"].append(models)
+                self._early["objects"].extend(self._objects(ti, q, 0, self.n_obj, 0, delta, zero, err, models))
+        return modes, delta, hists
+
+    def _step_shape(self, norm_t) -> np.ndarray:
+        """Relative steps per tensor that minimise bits for the scope's budget: equal steps for
+        the pooled scope; ``||X_t|| / sqrt(w_t)`` for the weighted one (normalised to max 1)."""
+        if self.weights is None:
+            return np.ones(len(norm_t))
+        s = np.sqrt(np.maximum(norm_t, 1e-300) / self.weights)
+        return s / s.max()
+
+    def _pooled_search(self, evaluate, d0, norm_t, aim: float = 0.997, widen: int = 0):
+        """Pooled and weighted scopes: the largest steps with the cache's (weighted) error within
+        ``eps`` and, with a cap, every tensor's NRMSE within ``tensor_cap × eps``. Steps are
+        ``g × shape_t`` (:meth:`_step_shape`), except that a tensor that would pass its cap gets
+        the step that holds it at the cap.
+
+        Model-based: each tensor's squared error is close to ``c_t · step_t²``; after every pass
+        ``c_t`` is re-measured, the cap steps follow, and ``g`` solves ``Σ u_t c_t min(g shape_t,
+        cap_t)² = aim · target`` (bisection; ``u_t = w_t / ||X_t||²``, 1 when pooled); it stops
+        when both constraints hold and the budget is used to within the band below its target
+        (0.6 %, doubling per pass from the ``widen``-th pass on). ``evaluate(steps per tensor)``
+        returns ``(squared errors per tensor, result)``; returns ``(steps, result)``."""
+        from alignpred.codec.ratesearch import BAND
+
+        norm_t = np.asarray(norm_t, np.float64)
+        if self.weights is None:
+            u = np.ones(len(norm_t))
+            target = self.eps ** 2 * float(norm_t.sum())
+        else:  # zero tensors have no error to weigh
+            u = np.where(norm_t > 0, self.weights / np.maximum(norm_t, 1e-300), 0.0)
+            target = self.eps ** 2 * float(self.weights[norm_t > 0].sum())
+        shape = self._step_shape(norm_t)
+        cap_t = (self.tensor_cap * self.eps) ** 2 * norm_t if self.tensor_cap else np.full(len(norm_t), np.inf)
+        d = np.asarray(d0, np.float64).copy()
+        best = None
+        cap_hi = np.full(len(d), np.inf)  # smallest step seen above the cap, per tensor
+        cap_lo = np.zeros(len(d))  # largest step seen within it
+        capped = np.isfinite(cap_t)
+        for it in range(16):
+            e, res = evaluate(d.astype(np.float32))
+            tot = float(np.sum(u * e))
+            over = e > cap_t
+            caps_ok = not over.any()
+            band = BAND * (2.0 ** max(0, it + 1 - widen) if widen else 1.0)
+            if tot <= target and caps_ok:
+                if best is None or tot > best[0]:
+                    best = (tot, d.copy(), res)
+                if tot >= target * (1.0 - band):
+                    return d, res
+            cap_hi = np.where(over, np.minimum(cap_hi, d), cap_hi)
+            cap_lo = np.where(capped & ~over, np.maximum(cap_lo, d), cap_lo)
+            c = np.where(e > 0, e / np.maximum(d, 1e-300) ** 2, 0.0)
+            # a cap is a bound, not a target: aim 2 % below it, and keep each tensor's cap step inside
+            # the bracket its own measurements give (errors are only roughly quadratic in the step)
+            cap_step = np.where(c > 0, np.sqrt(0.98 * cap_t / np.maximum(c, 1e-300)), np.inf)
+            bracket = np.isfinite(cap_hi) & (cap_lo > 0)
+            outside = bracket & ((cap_step <= cap_lo) | (cap_step >= cap_hi))
+            cap_step = np.where(outside, np.sqrt(cap_lo * np.where(bracket, cap_hi, 1.0)), cap_step)
+            cap_step = np.where(np.isfinite(cap_hi), np.minimum(cap_step, cap_hi * 0.995), cap_step)
+            live = (c > 0) & (u > 0)
+
+            def budget(g):
+                return float(np.sum(u * c * np.minimum(g * shape, cap_step) ** 2))
+
+            g_lo = 0.0
+            g_hi = float(np.max(np.where(np.isfinite(cap_step), cap_step, d) / shape)) * 4.0 + 1e-30
+            while budget(g_hi) < aim * target and g_hi < 1e30 and np.any(~np.isfinite(cap_step) & live):
+                g_hi *= 4.0
+            for _ in range(60):
+                g = 0.5 * (g_lo + g_hi)
+                if budget(g) <= aim * target:
+                    g_lo = g
+                else:
+                    g_hi = g
+            new = np.minimum(g_lo * shape, cap_step)
+            new = np.where(np.isfinite(new) & (new > 0), new, d)
+            if not (tot <= target and caps_ok):  # infeasible: never move a failing unit up
+                failing = (e > cap_t) | ((u * e) > 0) & (tot > target)
+                new = np.where(failing, np.minimum(new, d * 0.999), new)
+            d = new
+        if best is not None and best[0] >= target * 0.9:
+            return best[1], best[2]
+        # The model did not settle: from the last steps, shrink what fails until both constraints
+        # hold (a feasible point far below the budget, e.g. the first guess, is kept only if this
+        # does worse).
+        for _ in range(100):
+            e, res = evaluate(d.astype(np.float32))
+            tot = float(np.sum(u * e))
+            if tot <= target and np.all(e <= cap_t):
+                if best is not None and best[0] > tot:
+                    return best[1], best[2]
+                return d, res
+            d = d * (0.99 if tot > target else 1.0)
+            d = np.where(e > cap_t, d * 0.99, d)
+        if best is not None:
+            return best[1], best[2]
+        raise EncodeError(f"cannot meet the {self.scope} error budget and the tensor cap together")
+
+    def _choose(self, plan, z, local, delta_rows):
+        """Modes ``[d]`` with the smallest estimated cost at the initial step, and the base
+        predictions computed for the choice (by predictor id)."""
+        cfg = self.config
+        cands = plan.modes()
+        bases = {bb: plan.base(bb, local) for bb in {m & BASE_MASK for m in cands} if bb != ZERO}
+        def cost(m):  # one pass per candidate, no temporaries of the block's size (releases the GIL)
+            base = bases[m & BASE_MASK] if m & BASE_MASK != ZERO else None
+            return candidate_bits(z, delta_rows, bool(m & INTERP), cfg.object_size, base=base)
+
+        bits = np.stack(list(self._pool.map(cost, cands)) if self._pool is not None else [cost(m) for m in cands])
+        cands = np.array(cands, np.uint8)
+        if cfg.channel_choice:
+            return cands[np.argmin(bits, axis=0)], bases
+        return np.full(z.shape[1], cands[int(np.argmin(bits.sum(axis=1)))], np.uint8), bases
+
+    # -- one pass over the cache -----------------------------------------------------------------
+    def _chunk(self, tensors, j0, j1, delta, zero, modes, keep_q: bool):
+        """Code objects ``j0..j1-1`` of every tensor at steps ``delta``: returns per tensor
+        ``(squared error per object, token histogram, q or None)``. Chunks are independent
+        (predictions combine rows of the same positions), so they may run in parallel."""
+        lay = self.layout
+        S = self.config.object_size
+        H, d = lay.kv_heads, lay.head_dim
+        a, b = j0 * S, min(lay.n_tokens, j1 * S)
+        local: dict = {}
+        out = []
+        for ti, (layer, kind) in enumerate(self.tensors):
+            x = self._rows(tensors, ti, a, b)
+            delta_rows, zero_rows = self.delta_rows(delta[ti, j0:j1], zero[ti, j0:j1], a)
+            q = np.empty((b - a, H * d), np.int32)
+            err = np.zeros(j1 - j0)
+            for h in range(H):
+                blk = Block(layer, kind, h)
+                z = self.frame.to_frame(x[h], blk, a)
+                q[:, h * d:(h + 1) * d], local[blk.name] = self._code_head(
+                    self.plans[blk.name], modes[ti][h], z, local, delta_rows, zero_rows, blk)
+                e = self._row_errors(local[blk.name], x[h], blk, a)
+                e[zero_rows] = 0.0
+                err += obj_sums(e, S)
+                self.prune(local, blk.name)
+            live = ~zero_rows
+            hist = entropy.histogram(np.ascontiguousarray(q[live].T))[0] if live.any() and not keep_q else None
+            out.append((err, hist, q if keep_q else None))
+        return out
+
+    def _pass(self, tensors, delta, zero, modes, models=None, progress=None):
+        """Code the whole cache at steps ``delta [n_tensors, n_obj]``, chunk by chunk through
+        every layer (``threads`` chunks at a time in parallel). Returns ``(sq_err [n_tensors,
+        n_obj], token histograms per tensor)``; with ``models`` (emission) it is a generator of
+        :class:`EncodedObject` instead, in chunk order."""
+        lay = self.layout
+        S, C = self.config.object_size, self.chunk_objects
+        H, d = lay.kv_heads, lay.head_dim
+        err = np.zeros(delta.shape)
+        hist = np.zeros((len(self.tensors), H * d, entropy.N_TOKENS), np.int32)  # < 2**31 rows per tensor
+        starts = list(range(0, self.n_obj, C))
+        emit = models is not None
+        for w0 in range(0, len(starts), self.threads):  # a window of chunks in flight
+            window = [(j0, min(self.n_obj, j0 + C)) for j0 in starts[w0:w0 + self.threads]]
+
+            def run(jj):
+                return self._chunk(tensors, jj[0], jj[1], delta, zero, modes, emit)
+
+            results = list(self._pool.map(run, window)) if len(window) > 1 else [run(window[0])]
+            for (j0, j1), res in zip(window, results):
+                a = j0 * S
+                for ti, (e, h, q) in enumerate(res):
+                    err[ti, j0:j1] = e
+                    if h is not None:
+                        hist[ti] += h
+                    if emit:
+                        yield from self._objects(ti, q, j0, j1, a, delta, zero, err[ti, j0:j1], models[ti])
+                if progress:
+                    progress(min(lay.n_tokens, j1 * S) - a)
+        if not emit:
+            yield err, hist
+
+    def _objects(self, ti, q, j0, j1, a, delta, zero, err, models):
+        """Entropy-code objects ``j0..j1-1`` of tensor ``ti`` from ``q`` (rows from position
+        ``a``); ``err`` holds their squared errors."""
+        S = self.config.object_size
+        for j in range(j0, j1):
+            r0, r1 = j * S - a, j * S - a + int(self.obj_rows[j])
+            if zero[ti, j]:
+                payload, flags = b"", OBJ_ZERO
+            else:
+                payload, flags = entropy.encode(np.ascontiguousarray(q[r0:r1].T), models, self.coder), 0
+            yield EncodedObject(tensor=ti, token_start=j * S, n_tokens=r1 - r0, flags=flags,
+                                delta=float(delta[ti, j]), sq_err=float(err[j - j0]), sq_norm=0.0, payload=payload)
+
+    @staticmethod
+    def _models(hist, zero) -> np.ndarray:
+        return entropy.models_from_histogram(hist) if not zero.all() else np.zeros(hist.shape[0], np.uint8)
+
+    def _evaluate(self, *args, **kw):
+        return next(self._pass(*args, **kw))
+
+    # -- step search over the whole cache -------------------------------------------------------
+    def _units(self) -> np.ndarray:
+        """Scope unit of every object ``[n_tensors, n_obj]`` (pooled: one unit per tensor, whose
+        steps the pooled search ties together)."""
+        n_t = len(self.tensors)
+        if self.scope == "object":
+            return np.arange(n_t * self.n_obj).reshape(n_t, self.n_obj)
+        return np.repeat(np.arange(n_t)[:, None], self.n_obj, axis=1)
+
+    def _search(self, tensors, norms, zero, progress=None):
+        """Steps (one per scope unit) whose measured errors all meet the budget, searched jointly
+        by whole-cache passes from the sample's steps. Returns ``(delta [n_tensors, n_obj]
+        float32, modes, token histograms at delta)``."""
+        modes, d_sample, hist = self._sample_search(tensors, norms, zero, progress)
+        if self.n_obj <= CHOICE_OBJECTS:
+            return d_sample, modes, hist  # the sample is the whole cache
+        unit = self._units()
+        n_u = int(unit.max()) + 1
+        first = np.zeros(n_u)
+        first[unit.ravel()] = d_sample.ravel()
+
+        def evaluate(dl):
+            e, h = self._evaluate(tensors, dl.astype(np.float32)[unit], zero, modes, progress=progress)
+            return np.bincount(unit.ravel(), e.ravel(), n_u), h
+
+        # Aim at the middle of the band: a unit's error drifts a little when other units' steps
+        # change (through predictions), and should stay inside it.
+        if self.scope in JOINT:
+            dl, hist = self._pooled_search(evaluate, first, norms.sum(axis=1), aim=0.997, widen=4)
+        else:
+            target = self.eps ** 2 * np.bincount(unit.ravel(), norms.ravel(), n_u)
+            dl, hist = bracket_search(evaluate, first, target, "", aim=0.997, widen=4)
+        return dl.astype(np.float32)[unit], modes, hist
+
+    # -- driver ----------------------------------------------------------------------------------
+    def encode(self, tensors: dict, progress=None, release=None):
+        """Yield every :class:`EncodedObject` (chunk-major after whole-cache passes: all tensors
+        of object chunk 0, then chunk 1, ...; tensor by tensor for short caches); :attr:`metas`
+        is filled when the generator is exhausted. ``progress(n)`` is called with the work done,
+        in positions of the whole cache (each pass counts every position once; the number of
+        passes is not known in advance)."""
+        self._release = release
+        norms = self._norms(tensors)
+        zero = norms == 0
+        # Short caches (tensor/object scope) are final after the sample search, which codes each
+        # tensor's objects as it goes (models first, then its objects); otherwise one more pass.
+        early: dict = {"models": [], "objects": []}
+        self._early = early if self.n_obj <= CHOICE_OBJECTS and self.scope not in JOINT else None
+        delta, modes, hist = self._search(tensors, norms, zero, progress)
+        if self._early is not None:
+            models, emitted = early["models"], early["objects"]
+        else:
+            models = [self._models(h, z) for h, z in zip(hist, zero)]
+            emitted = self._pass(tensors, delta, zero, modes, models, progress)
+        self._early = None
+        err = np.zeros(delta.shape)
+        for ob in emitted:
+            ob.sq_norm = float(norms[ob.tensor, ob.token_start // self.config.object_size])
+            err[ob.tensor, ob.token_start // self.config.object_size] = ob.sq_err
+            yield ob
+        self.metas = [TensorMeta(name=tensor_name(layer, kind), modes=modes[ti].astype(np.uint8), models=models[ti],
+                                 sq_err=float(err[ti].sum()), sq_norm=float(norms[ti].sum()))
+                      for ti, (layer, kind) in enumerate(self.tensors)]

@@ -1,0 +1,30 @@
+"""Entropy stage: static probability models (:mod:`~alignpred.entropy.models`) apart from the
+coders that use them (:mod:`~alignpred.entropy.rans`: the 4-lane rANS kernels; ``rans_ctx``: the
+context-coded lossless tier; :mod:`~alignpred.entropy.coder`: the object-level API below).
+
+>>> import numpy as np
+>>> from alignpred import entropy
+>>> q = np.array([[0, 1, -1, 2]], dtype=np.int32)
+>>> ids = entropy.choose_models(q)
+>>> np.array_equal(entropy.decode(entropy.encode(q, ids), ids, q.shape), q)
+True
+"""
+from alignpred.entropy.coder import (
+                                     CODER_IDS,
+                                     CODERS,
+                                     MODEL_SET_ID,
+                                     N_MODELS,
+                                     N_TOKENS,
+                                     PREC,
+                                     choose_models,
+                                     decode,
+                                     decode_ctx,
+                                     encode,
+                                     encode_ctx,
+                                     estimate_bits,
+                                     histogram,
+                                     models_from_histogram,
+)
+
+__all__ = ["MODEL_SET_ID", "PREC", "N_MODELS", "N_TOKENS", "CODERS", "CODER_IDS", "choose_models", "estimate_bits",
+           "encode", "decode", "encode_ctx", "decode_ctx", "histogram", "models_from_histogram"]

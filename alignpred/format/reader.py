@@ -1,0 +1,493 @@
+"""Read .kvz files: from a path, bytes, a memoryview or an mmap; whole, or a token range of some
+layers, into new arrays or into the caller's buffers, layer by layer.
+
+>>> import numpy as np
+>>> from alignpred import Cache, compress_bytes, fit_bank
+>>> rng = np.random.default_rng(0)
+>>> kv = [(rng.standard_normal((2, 300, 16)).astype(np.float16),) * 2 for _ in range(3)]
+>>> cache = Cache.from_arrays(kv)
+>>> bank = fit_bank([cache], rank=None)
+>>> r = KvzReader(compress_bytes(cache, eps=0.05, bank=bank), bank=bank)
+>>> k = np.zeros((2, 100, 16), np.float16); v = np.zeros_like(k)        # the caller's buffers
+>>> for layer, key, value in r.layers(tokens=(200, 300), out=lambda i: (k, v)):
+...     pass                                                            # (a forward pass would run here)
+>>> bool(np.array_equal(v, r.read(tokens=(200, 300))["layers.2.value"]))
+True
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from alignpred import entropy
+from alignpred.bank.bank import Bank
+from alignpred.bank.registry import find as find_bank
+from alignpred.cache.arrays import as_numpy
+from alignpred.cache.layout import CacheLayout, numpy_dtype
+from alignpred.codec.chain import OBJ_REFINE, OBJ_ZERO
+from alignpred.codec.config import CodecConfig
+from alignpred.codec.decoder import Decoder
+from alignpred.errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError
+from alignpred.format.container import ENTRY_SIZE, FLAG_REFINE, PREAMBLE_SIZE, crc32, parse_container
+from alignpred.format.header import _f32, _nonneg, check_header, tensor_metas
+from alignpred.format.session import DEFAULT_SESSION, DecoderSession
+from alignpred.io import map_file, release_pages
+from alignpred.threads import blas_single_thread, default_threads, stepwise
+from alignpred.threads import pool as _pool
+
+#: :meth:`KvzReader.read_into` decodes at most this many tokens (rounded up to whole objects)
+#: through every layer at a time, which bounds its working memory.
+TILE_TOKENS = 256
+
+
+def _lockstep(pool, gens):
+    """Advance several decode generators together (one tensor each per step, in parallel)."""
+    sentinel = object()
+    while True:
+        results = list(pool.map(lambda g: next(g, sentinel), gens))
+        if any(r is sentinel for r in results):
+            if not all(r is sentinel for r in results):
+                raise FormatError("decode groups went out of step")
+            return
+        yield results
+
+
+def _buffer(source):
+    """``(memoryview, name for messages)`` of a path, bytes-like object or mmap."""
+    if isinstance(source, (str, os.PathLike)):
+        return map_file(source), os.fspath(source)
+    if isinstance(source, mmap.mmap):
+        return memoryview(source), "<mmap>"
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        mv = memoryview(source)
+        return (mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv), "<bytes>"
+    if isinstance(source, np.ndarray):
+        return memoryview(np.ascontiguousarray(source).view(np.uint8).reshape(-1)), "<array>"
+    raise KvzError(f"cannot read a .kvz from a {type(source).__name__}: give a path, bytes, a memoryview or an mmap")
+
+
+class KvzReader:
+    """Random-access reader of a .kvz file. Everything but the payloads is verified on open;
+    payload checksums are verified as objects are decoded.
+
+    ``source``: a path, ``bytes``/``bytearray``/``memoryview`` or ``mmap``. ``bank``: a
+    :class:`Bank`, a path, a registry id or name, or None (the embedded bank, or the registry's
+    bank with the file's id). ``session``: a :class:`DecoderSession` (default: a shared one).
+    ``threads``: decode object ranges in parallel on this many threads (default: the cores
+    this process may use); the decoded bits do not depend on it.
+    """
+
+    def __init__(self, source, bank=None, session: DecoderSession | None = None, threads: int | None = None):
+        self._buf, self.path = _buffer(source)
+        try:
+            parsed = parse_container(self._buf)
+        except FormatError as e:
+            raise type(e)(f"{self.path}: {e}") from None
+        self.header = parsed.header
+        self.index = parsed.index
+        self._footer = parsed.footer
+        self.version = parsed.version
+        try:
+            self._validate()
+        except (FormatError, LayoutError) as e:
+            raise FormatError(f"{self.path}: {e}") from None
+        self._bank_arg = bank
+        self._decoder: Decoder | None = None
+        self.session = session or DEFAULT_SESSION
+        self.threads = default_threads() if threads is None else max(1, int(threads))
+        self.objects_decoded = 0
+        self._count_lock = threading.Lock()
+
+    # -- validation ------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        h = self.header
+        check_header(h)
+        try:
+            self.layout = CacheLayout.from_json(h["layout"])
+            codec = h["codec"]
+            self.config = CodecConfig.from_json(codec["config"])
+            self.eps = float(codec["eps"])
+            self.scope = str(codec["eps_scope"])
+            self.tensor_cap = float(codec.get("tensor_cap", 0.0))
+            self.tiers = ("coarse", "exact") if h.get("flags", 0) & FLAG_REFINE else ("coarse",)
+            ent = codec["entropy"]
+            self.bank_id = str(h["bank"]["id"])
+        except (KeyError, TypeError, ValueError, LayoutError, KvzError) as e:
+            raise FormatError(f"malformed header ({type(e).__name__}: {e})") from None
+        if codec.get("name") != "alignpred":
+            raise FormatError(f"unknown codec {codec.get('name')!r}")
+        if (ent.get("coder") not in entropy.CODERS or ent.get("model_set") != entropy.MODEL_SET_ID
+                or ent.get("prec") != entropy.PREC):
+            raise FormatError(f"unsupported entropy coder {ent!r}")
+        from alignpred.format.header import minor_for
+
+        if self.version[1] < minor_for(self.layout, self.config, self.tensor_cap, self.tiers, self.scope):
+            raise FormatError(f"the header uses features of a newer minor version than the file's {self.version}")
+        lay = self.layout
+        S = self.config.object_size
+        from alignpred.codec.frame import check_rope_range
+
+        check_rope_range(lay, self.config)
+        self.metas = tensor_metas(h, lay)
+        n_obj = -(-lay.n_tokens // S)
+        n_coarse = n_obj * len(self.metas)
+        if len(self.index) != n_coarse * len(self.tiers):
+            raise FormatError(f"index holds {len(self.index)} objects, layout and tiers need "
+                              f"{n_coarse * len(self.tiers)}")
+        prev_end = PREAMBLE_SIZE
+        for k, ent in enumerate(self.index):
+            tier, kk = divmod(k, n_coarse)
+            ti, j = divmod(kk, n_obj)
+            want_n = min(S, lay.n_tokens - j * S)
+            if ent.tensor != ti or ent.token_start != j * S or ent.n_tokens != want_n:
+                raise FormatError(f"index entry {k} does not follow the layout order")
+            want_flag = OBJ_REFINE if tier else 0
+            if (ent.flags & ~OBJ_ZERO) != want_flag or bool(ent.flags & OBJ_ZERO) != (ent.length == 0):
+                raise FormatError(f"index entry {k} has invalid flags")
+            if tier:
+                if ent.delta != 0.0 or ent.sq_err != 0.0:
+                    raise FormatError(f"refinement entry {k} has a step or an error")
+            elif not _f32(ent.delta) or (not (ent.flags & OBJ_ZERO) and not ent.delta > 0):
+                raise FormatError(f"index entry {k} has an invalid quantisation step")
+            if not (_nonneg(ent.sq_err) and _nonneg(ent.sq_norm)):
+                raise FormatError(f"index entry {k} has invalid error statistics")
+            if ent.offset != prev_end:
+                raise FormatError(f"index entry {k}: payloads must be contiguous")
+            prev_end = ent.offset + ent.length
+        emb = self.header["bank"].get("embedded")
+        end = prev_end + (int(emb["length"]) if emb else 0)
+        if emb and int(emb["offset"]) != prev_end:
+            raise FormatError("embedded bank offset is inconsistent")
+        if end != self._footer.header_offset:
+            raise FormatError("payloads do not end where the header starts")
+        self.n_objects_per_tensor = n_obj
+
+    # -- bank ------------------------------------------------------------------------------------
+    def _resolve_bank(self) -> Bank:
+        emb = self.header["bank"].get("embedded")
+        if emb:
+            a, n = int(emb["offset"]), int(emb["length"])
+            raw = self._buf[a:a + n]
+            if crc32(raw) != int(emb["crc32"]):
+                raise ChecksumError(f"{self.path}: embedded bank checksum mismatch")
+            try:
+                bank = Bank.from_bytes(raw)
+            except KvzError as e:
+                raise BankMismatchError(f"{self.path}: embedded bank is invalid: {e}") from None
+            except (AttributeError, TypeError, ValueError, KeyError, IndexError, OverflowError) as e:
+                raise BankMismatchError(f"{self.path}: embedded bank is malformed ({type(e).__name__})") from None
+        elif self._bank_arg is None:
+            bank = self.session.bank(self.bank_id, self.layout, f"{self.path} ")
+        else:
+            bank = find_bank(self._bank_arg, self.layout)
+        if bank.id != self.bank_id:
+            raise BankMismatchError(f"{self.path} needs bank {self.bank_id[:19]}… but got {bank.id[:19]}…; "
+                                    "use the bank the file was compressed with")
+        return bank
+
+    @property
+    def decoder(self) -> Decoder:
+        if self._decoder is None:
+            bank = self._resolve_bank()
+            try:
+                dec = self.session.decoder(self.layout, bank, self.config, self.header["codec"]["entropy"]["coder"])
+            except BankMismatchError as e:
+                raise BankMismatchError(f"{self.path}: {e}") from None
+            try:
+                dec.check(self.metas)
+            except FormatError as e:
+                raise FormatError(f"{self.path}: {e}") from None
+            self._decoder = dec
+        return self._decoder
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _fetch(self, ti: int, j: int, tier: int = 0):
+        n_obj = self.n_objects_per_tensor
+        e = self.index[(tier * len(self.metas) + ti) * n_obj + j]
+        payload = self._buf[e.offset:e.offset + e.length]
+        if crc32(payload) != e.crc:
+            raise ChecksumError(f"{self.path}: checksum mismatch in {self.metas[ti].name} tokens "
+                                f"{e.token_start}..{e.token_start + e.n_tokens}{' (refinement)' if tier else ''}")
+        with self._count_lock:
+            self.objects_decoded += 1
+        return e, payload
+
+    def _refine_fetch(self, ti: int, j: int):
+        return self._fetch(ti, j, 1)
+
+    def _tier(self, tier) -> bool:
+        """Whether to decode the refinement tier for ``tier`` (None: the best the file has)."""
+        if tier is None:
+            return "exact" in self.tiers
+        if tier not in self.tiers:
+            raise KvzError(f"{self.path} has tiers {', '.join(self.tiers)}, not {tier!r}")
+        return tier == "exact"
+
+    def verify(self, entries=None, bank: bool | None = None) -> int:
+        """Check payload checksums without decoding (all index entries, or the given entry
+        indices) and, with ``bank`` (default: when checking all entries), the embedded bank's;
+        raises ChecksumError. Returns the bytes checked. Together with the checks on open, this
+        covers every byte of the file."""
+        n_obj = self.n_objects_per_tensor
+        ks = range(len(self.index)) if entries is None else entries
+        total = 0
+        for k in ks:
+            e = self.index[int(k)]
+            payload = self._buf[e.offset:e.offset + e.length]
+            if crc32(payload) != e.crc:
+                ti = int(k) // n_obj
+                raise ChecksumError(f"{self.path}: checksum mismatch in {self.metas[ti].name} tokens "
+                                    f"{e.token_start}..{e.token_start + e.n_tokens}")
+            total += len(payload)
+        emb = self.header["bank"].get("embedded")
+        if emb and (entries is None if bank is None else bank):
+            raw = self._buf[emb["offset"]:emb["offset"] + emb["length"]]
+            if crc32(raw) != emb["crc32"]:
+                raise ChecksumError(f"{self.path}: embedded bank checksum mismatch")
+            total += len(raw)
+        return total
+
+    def _range(self, tokens, layers):
+        lay = self.layout
+        a, b = (0, lay.n_tokens) if tokens is None else (int(tokens[0]), int(tokens[1]))
+        if not (0 <= a < b <= lay.n_tokens):
+            raise KvzError(f"token range {a}..{b}: need 0 <= a < b <= {lay.n_tokens}")
+        if layers is None:
+            sel = list(range(lay.num_layers))
+        elif isinstance(layers, (int, np.integer)):
+            if not (1 <= int(layers) <= lay.num_layers):
+                raise KvzError(f"layers must be in 1..{lay.num_layers}")
+            sel = list(range(int(layers)))
+        else:
+            sel = sorted({int(i) for i in layers})
+            if not sel or sel[0] < 0 or sel[-1] >= lay.num_layers:
+                raise KvzError(f"layer indices must be in 0..{lay.num_layers - 1}")
+        return a, b, sel
+
+    def _out_view(self, out, ti: int, name: str, n: int):
+        """The caller's buffer for tensor ``ti`` as ``[kv_heads, n, d]`` (checked)."""
+        lay = self.layout
+        buf = out(name) if callable(out) else out.get(name) if isinstance(out, dict) else None
+        if buf is None:
+            raise KvzError(f"no output buffer for {name}")
+        arr = as_numpy(buf, writable=True)
+        if arr.ndim == 4 and arr.shape[0] == 1:
+            arr = arr[0]
+        want = (lay.kv_heads, n, lay.head_dim)
+        if arr.shape != want:
+            raise KvzError(f"output buffer for {name} has shape {tuple(arr.shape)}, expected {want} "
+                           f"(or {(1,) + want})")
+        if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != numpy_dtype("bfloat16"):
+            raise KvzError(f"output buffer for {name} has dtype {arr.dtype}; give a floating-point buffer")
+        return arr
+
+    def _decode(self, a: int, b: int, sel: list, out=None, tier=None, tiled: bool = False):
+        """Yield ``(ti, name, array [kv_heads, b-a, d])`` for the tensors of layers ``sel``.
+
+        With ``threads > 1`` the objects of the range are split into contiguous groups decoded
+        in parallel (objects at different positions are independent; the kernels release the
+        GIL); each group writes its rows of the same output arrays, tensor by tensor in step.
+        ``tiled``: each group decodes its objects ``TILE_TOKENS`` at a time through every layer
+        before yielding, so the working set (the earlier layers' reconstructions that later
+        layers are predicted from) is bounded by the tile, not the range; tensors are then
+        yielded only once all are decoded (what :meth:`read_into` wants, not a layer-by-layer
+        stream). The decoded bits do not depend on the split (kvz.md §9)."""
+        lay = self.layout
+        S = self.config.object_size
+        j0, j1 = a // S, -(-b // S)
+        n_rows = min(lay.n_tokens, j1 * S) - j0 * S
+        cut = slice(a - j0 * S, b - j0 * S)
+        direct = out is not None and cut.start == 0 and cut.stop == n_rows  # straight into the caller's buffer
+        dec = self.decoder
+        rf = self._refine_fetch if self._tier(tier) else None
+        k = max(1, min(self.threads, j1 - j0))
+        edges = [j0 + (j1 - j0) * i // k for i in range(k + 1)]
+        groups = [(edges[i], edges[i + 1]) for i in range(k) if edges[i + 1] > edges[i]]
+        dests: dict = {}
+        lock = threading.Lock()
+
+        def dest(ti):
+            with lock:
+                if ti not in dests:
+                    name = self.metas[ti].name
+                    dests[ti] = self._out_view(out, ti, name, b - a) if direct else \
+                        np.empty((lay.kv_heads, n_rows, lay.head_dim), numpy_dtype(lay.dtype))
+                return dests[ti]
+
+        def target(g0, g1):
+            return lambda ti: dest(ti)[:, (g0 - j0) * S:min(lay.n_tokens, g1 * S) - j0 * S]
+
+        tile = max(1, TILE_TOKENS // S) if tiled else 0
+
+        def group(g0, g1):
+            if not tile or g1 - g0 <= tile:
+                yield from dec.decode_range(self.metas, self._fetch, g0, g1, sel, out=target(g0, g1), refine_fetch=rf)
+                return
+            done: list = []
+            for t0 in range(g0, g1, tile):
+                t1 = min(g1, t0 + tile)
+                done = [(ti, name, None) for ti, name, _ in
+                        dec.decode_range(self.metas, self._fetch, t0, t1, sel, out=target(t0, t1), refine_fetch=rf)]
+            yield from done  # the arrays are the shared destinations (dests), complete now
+
+        gens = [group(g0, g1) for g0, g1 in groups]
+        blas = blas_single_thread if self.config.arith == "float" else contextlib.nullcontext
+        try:
+            if len(gens) == 1:
+                steps = ([r] for r in gens[0])
+            else:
+                pool = _pool(len(gens))
+                steps = _lockstep(pool, gens)
+            for results in stepwise(blas, steps):
+                ti, name, _ = results[0]
+                arr = dests.pop(ti)
+                if not direct:
+                    arr = arr[:, cut]
+                    if out is not None:
+                        dst = self._out_view(out, ti, name, b - a)
+                        dst[...] = arr
+                        arr = dst
+                yield ti, name, arr
+        except FormatError as e:
+            if self.path in str(e):
+                raise
+            raise type(e)(f"{self.path}: {e}") from None
+
+    def iter_layers(self, tokens: tuple[int, int] | None = None, layers=None, out=None, tier=None):
+        """Yield ``(name, array)`` tensor by tensor (layer by layer, key then value) for a token
+        range ``[a, b)`` of ``layers`` (the first N layers for an int, or an iterable of layer
+        indices); only the objects covering the range are read. With ``out`` (a dict name ->
+        buffer, or a callable name -> buffer; numpy arrays or CPU torch tensors shaped
+        ``[kv_heads, b-a, d]``) values are written into the caller's buffers, which are yielded.
+        ``tier``: ``"coarse"`` (the lossy tier alone) or ``"exact"`` (refined to the original bits;
+        only in files written with ``lossless``); default: the best the file has (:attr:`tiers`)."""
+        lay = self.layout
+        a, b, sel = self._range(tokens, layers)
+        for _, name, arr in self._decode(a, b, sel, out, tier):
+            if out is None and lay.batch_dim:
+                arr = arr[None]
+            yield name, arr
+
+    def layers(self, tokens=None, layers=None, out=None, tier=None):
+        """Yield ``(layer, key, value)`` layer by layer, in step with a forward pass. ``out``: a
+        callable ``layer -> (key_buffer, value_buffer)`` or a dict of buffers by tensor name."""
+        pending: dict = {}
+        fn = None
+        if callable(out):
+            bufs: dict = {}
+
+            def fn(name):
+                i, kind = int(name.split(".")[1]), name.split(".")[2]
+                if i not in bufs:
+                    bufs[i] = out(i)
+                return bufs[i][0 if kind == "key" else 1]
+        for name, arr in self.iter_layers(tokens, layers, fn or out, tier):
+            i = int(name.split(".")[1])
+            pending[name.split(".")[2]] = arr
+            if len(pending) == 2:
+                yield i, pending["key"], pending["value"]
+                pending = {}
+
+    def read(self, tokens=None, layers=None, tier=None) -> dict:
+        """Decode into ``{name: array}`` (the source's names, shapes and dtype)."""
+        return dict(self.iter_layers(tokens, layers, tier=tier))
+
+    def read_into(self, out, tokens=None, layers=None, tier=None):
+        """Decode into the caller's buffers (see :meth:`iter_layers`); returns ``out``. Memory
+        beyond the buffers stays bounded however long the range: tokens are decoded a tile
+        (``TILE_TOKENS``) at a time through every layer."""
+        a, b, sel = self._range(tokens, layers)
+        for _ in self._decode(a, b, sel, out, tier, tiled=True):
+            pass
+        return out
+
+    def decompress_to(self, path, tokens=None, layers=None, chunk_objects: int = 8, progress=None,
+                      tier=None) -> int:
+        """Decode into a safetensors file (atomically) in bounded memory: object range by object
+        range through every layer, each slice written at its place in the output, so only
+        ``chunk_objects`` × 256 positions of the cache are in memory at a time. Returns the bytes
+        written. ``progress(n)`` is called with the number of positions finished."""
+        from alignpred.cache.cachefile import safetensors_header
+        from alignpred.io import atomic_file
+
+        lay = self.layout
+        a, b, sel = self._range(tokens, layers)
+        S = self.config.object_size
+        n_tok = b - a
+        shape = lay.with_tokens(n_tok).tensor_shape()
+        dt = numpy_dtype(lay.dtype)
+        names = [n for n in lay.tensor_names() if int(n.split(".")[1]) in set(sel)]
+        head = safetensors_header([(n, shape, dt) for n in names], self._slice_metadata(a, sel))
+        t_bytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        row_bytes = lay.head_dim * dt.itemsize
+        step = max(1, int(chunk_objects)) * S
+        slot = {n: k for k, n in enumerate(names)}
+        with atomic_file(path) as f:
+            f.write(head)
+            f.truncate(len(head) + t_bytes * len(names))
+            for c0 in range((a // S) * S, b, step):
+                lo, hi = max(a, c0), min(b, c0 + step)
+                for _, name, arr in self._decode(lo, hi, sel, tier=tier):
+                    for h in range(lay.kv_heads):
+                        f.seek(len(head) + slot[name] * t_bytes + (h * n_tok + lo - a) * row_bytes)
+                        f.write(np.ascontiguousarray(arr[h]).reshape(-1).view(np.uint8).data)  # no copy
+                release_pages(self._buf)
+                if progress:
+                    progress(hi - lo)
+        return len(head) + t_bytes * len(names)
+
+    def _slice_metadata(self, start: int, sel: list) -> dict:
+        """The source metadata, adjusted for a decoded subset: per-layer lists cut to the layers
+        kept, and the RoPE position offset moved to the first token kept."""
+        meta = dict(self.header.get("source_metadata", {}))
+        lay = self.layout
+        keep = list(sel)
+        for key in ("layer_types", "rope_theta"):
+            if key in meta:
+                try:
+                    v = json.loads(meta[key])
+                    meta[key] = json.dumps([v[i] for i in keep]) if isinstance(v, list) else meta[key]
+                except (ValueError, TypeError, IndexError):
+                    del meta[key]
+        if lay.rope is not None:
+            spec = lay.rope
+            meta["rope"] = json.dumps({"tables": [t.to_json() for t in spec.tables],
+                                       "layer_table": [spec.layer_table[i] for i in keep]})
+        if start or "position_offset" in meta:
+            meta["position_offset"] = str(lay.position_offset + start)
+        return meta
+
+    # -- summary ---------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        lay = self.layout
+        size = len(self._buf)
+        per = {}
+        for ti, m in enumerate(self.metas):
+            ents = self.index[ti * self.n_objects_per_tensor:(ti + 1) * self.n_objects_per_tensor]
+            nbytes = sum(e.length for e in ents) + ENTRY_SIZE * len(ents)
+            n_vals = lay.kv_heads * lay.n_tokens * lay.head_dim
+            per[m.name] = {"nrmse": math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0,
+                           "bpv_payload": 8.0 * nbytes / n_vals,
+                           "max_object_nrmse": max((math.sqrt(e.sq_err / e.sq_norm) if e.sq_norm > 0 else 0.0)
+                                                   for e in ents)}
+        tot_e = sum(m.sq_err for m in self.metas)
+        tot_n = sum(m.sq_norm for m in self.metas)
+        emb = self.header["bank"].get("embedded")
+        tier_bytes = {}
+        n_c = len(self.metas) * self.n_objects_per_tensor
+        for k, name in enumerate(self.tiers):
+            tier_bytes[name] = sum(e.length + ENTRY_SIZE for e in self.index[k * n_c:(k + 1) * n_c])
+        return {"file": self.path, "version": ".".join(map(str, self.version)), "layout": lay.to_json(),
+                "eps": self.eps, "eps_scope": self.scope, "tensor_cap": self.tensor_cap, "tiers": list(self.tiers),
+                "tier_payload_bytes": tier_bytes,
+                "config": self.config.to_json(), "bank_id": self.bank_id, "bank_embedded": bool(emb),
+                "bank_bytes": int(emb["length"]) if emb else 0,
+                "file_bytes": size, "n_values": lay.n_values, "bpv": 8.0 * size / lay.n_values,
+                "nrmse_pooled": math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0,
+                "nrmse_max_tensor": max(v["nrmse"] for v in per.values()), "tensors": per}

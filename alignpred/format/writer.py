@@ -1,0 +1,369 @@
+"""Compress a cache into the .kvz container: to a file (atomically), to any writable binary
+stream, or to bytes.
+
+>>> import numpy as np
+>>> from alignpred import Cache, KvzReader, fit_bank
+>>> rng = np.random.default_rng(0)
+>>> kv = [(rng.standard_normal((1, 300, 16)).astype(np.float16),) * 2 for _ in range(2)]
+>>> cache = Cache.from_arrays(kv)
+>>> bank = fit_bank([cache], rank=None)
+>>> blob = compress_bytes(cache, eps=0.05, bank=bank)
+>>> out = KvzReader(blob, bank=bank).read()
+>>> x, y = cache.tensors["layers.1.value"].astype(np.float64), out["layers.1.value"].astype(np.float64)
+>>> bool(np.linalg.norm(y - x) / np.linalg.norm(x) <= 0.05), out["layers.1.value"].dtype
+(True, dtype('float16'))
+"""
+from __future__ import annotations
+
+import io as _pyio
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from alignpred import entropy
+from alignpred.bank.registry import find as find_bank
+from alignpred.bank.registry import fitting
+from alignpred.codec import refine
+from alignpred.codec.chain import OBJ_REFINE, OBJ_ZERO
+from alignpred.codec.config import CodecConfig
+from alignpred.codec.decoder import Decoder
+from alignpred.codec.encoder import SCOPES, TENSOR_CAP, EncodedObject, Encoder, TensorMeta
+from alignpred.errors import BankMismatchError, KvzError, LayoutError, OutputExistsError
+from alignpred.format.container import (
+    FLAG_REFINE,
+    FOOTER_SIZE,
+    PREAMBLE_SIZE,
+    Footer,
+    IndexEntry,
+    crc32,
+    dump_header,
+    pack_preamble,
+)
+from alignpred.format.header import build_header, minor_for
+from alignpred.io import atomic_write, release_pages, same_file, spool_file
+from alignpred.threads import blas_single_thread, stepwise
+
+CODER = "rans4"  # default entropy coder; "constriction" is the reference alternative
+
+
+@dataclass
+class CompressInfo:
+    """What :func:`compress` wrote: sizes, bits per value and achieved errors."""
+
+    path: str | None
+    n_values: int
+    file_bytes: int
+    bank_bytes: int
+    nrmse_pooled: float
+    nrmse_tensor: dict
+    bank_id: str = ""
+    data: bytes | None = None  # the file's bytes, when compressed to memory
+    eps: float = 0.0
+    scope: str = ""
+    nrmse_weighted: float | None = None  # weighted scope: sqrt(sum w_t NRMSE_t^2 / sum w_t)
+    kl_predicted: float | None = None  # weighted scope: sum w_t NRMSE_t^2 (KL, with weights in KL/NRMSE^2)
+
+    @property
+    def bpv(self) -> float:
+        return 8.0 * self.file_bytes / max(self.n_values, 1)
+
+    @property
+    def nrmse_max_tensor(self) -> float:
+        return max(self.nrmse_tensor.values(), default=0.0)
+
+
+def _as_cache(cache):
+    from alignpred.cache.cachefile import Cache
+
+    if isinstance(cache, Cache):
+        return cache
+    if isinstance(cache, (dict, list, tuple)):
+        return Cache.from_arrays(cache)
+    raise LayoutError(f"cannot compress a {type(cache).__name__}: give an alignpred.Cache (Cache.from_arrays, "
+                      "load_cache) or a dict of arrays")
+
+
+def _resolve_bank(bank, layout):
+    if bank is None:
+        es = fitting(layout)
+        hint = (f"; the {es[0].origin} bank {es[0].name!r} fits this cache: pass bank={es[0].name!r}" if es else
+                "; fit one with alignpred.fit_bank on other caches of this model, or pass a self-calibrated bank "
+                "(fit_bank([cache]) with embed_bank=True)")
+        raise BankMismatchError(f"compression needs a calibration bank (bank=...){hint}")
+    return find_bank(bank, layout)
+
+
+def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str = "tensor",
+             config: CodecConfig | None = None, embed_bank: bool = False, coder: str = CODER,
+             tensor_cap: float = TENSOR_CAP, lossless: bool = False, weights=None, target_kl: float | None = None,
+             threads: int | None = None, progress=None) -> CompressInfo:
+    """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
+    ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
+    scope also caps every tensor at ``tensor_cap × eps``, 0 = no cap).
+
+    ``out``: a path (written atomically; never the cache's own input file), a writable binary
+    stream (written sequentially), or None (the bytes are returned in ``info.data``).
+    ``bank``: a :class:`~alignpred.Bank`, a path, or a registry id/name (see
+    :mod:`alignpred.bank.registry`); with ``embed_bank`` it is stored in the file and counted in bpv.
+    ``scope="weighted"``: the budget is ``sum_t w_t NRMSE_t² <= eps² sum_t w_t`` with
+    ``weights`` (``{tensor name: w}``; default: the bank's sensitivity record, see
+    :func:`alignpred.bank.registry.sensitivity`) — error goes where the model is least sensitive.
+    ``target_kl`` (instead of ``eps``): ask for a mean next-token KL divergence; with weights in
+    KL per NRMSE² the weighted scope is used with ``eps = sqrt(target_kl / sum_t w_t)``.
+    ``lossless``: add the refinement tier (:mod:`alignpred.codec.refine`): the file then decodes to
+    the original bits exactly, and its coarse tier (at ``eps``) stays readable alone
+    (``KvzReader(..., tier="coarse")``), e.g. as a drafter's cache.
+    ``threads``: kvz's own worker threads (default: the cores available); the file does not
+    depend on it. ``progress(n)`` is called with positions done (several passes may run).
+    """
+    cache = _as_cache(cache)
+    src = cache.path
+    try:
+        if isinstance(out, (str, os.PathLike)) and src and same_file(out, src):
+            raise OutputExistsError(f"{os.fspath(out)} is the input cache; write the .kvz to another path")
+        return _compress(cache, out, eps=eps, bank=bank, scope=scope, config=config, embed_bank=embed_bank,
+                         coder=coder, tensor_cap=tensor_cap, lossless=lossless, weights=weights,
+                         target_kl=target_kl, threads=threads, progress=progress)
+    except KvzError as e:
+        if src and src not in str(e):
+            raise type(e)(f"{src}: {e}") from None
+        raise
+
+
+def compress_bytes(cache, **kw) -> bytes:
+    """:func:`compress` to memory; returns the file's bytes."""
+    data = compress(cache, None, **kw).data
+    assert data is not None
+    return data
+
+
+def _refinement(cache, enc, metas, obs, read_spool, spool, where_pos: int, chunk: int = 2):
+    """The refinement tier: decode the coarse objects just written (the same code a reader runs),
+    take symbols against the original bits, choose a model per tensor and context (first pass),
+    code each object (second pass). Returns ``(refinement objects tensor-major, their spool
+    positions, end position in the spool)``; fills ``meta.refine_models``."""
+    lay = enc.layout
+    S = enc.config.object_size
+    n_obj = enc.n_obj
+    H, d = lay.kv_heads, lay.head_dim
+    n_ctx = refine.n_contexts(enc.frame.out_dtype)
+    dec = Decoder(lay, None, enc.config, enc.coder, plans=enc.plans)
+
+    def fetch(ti, j):
+        return obs[ti * n_obj + j], read_spool(ti * n_obj + j)
+
+    def channel_major(a):  # [H, n, d] -> [H*d, n], the order symbols are coded in
+        return np.ascontiguousarray(a.transpose(0, 2, 1).reshape(H * d, a.shape[1]))
+
+    def passes():
+        for j0 in range(0, n_obj, chunk):
+            j1 = min(n_obj, j0 + chunk)
+            a, b = j0 * S, min(lay.n_tokens, j1 * S)
+            for ti, name, arr in dec.decode_range(metas, fetch, j0, j1):
+                orig = cache.tensors[name]
+                orig = np.asarray(orig[0] if lay.batch_dim else orig)[:, a:b]
+                yield ti, j0, j1, a, channel_major(refine.symbols(orig, arr)), channel_major(refine.contexts(arr))
+
+    hist = np.zeros((len(metas), n_ctx * entropy.N_TOKENS), np.int64)
+    for ti, _, _, _, r, ctx in passes():
+        tok = rans_tokens(r)
+        hist[ti] += np.bincount((ctx.reshape(-1) * entropy.N_TOKENS + tok), minlength=hist.shape[1])
+    for ti, m in enumerate(metas):
+        m.refine_models = entropy.models_from_histogram(hist[ti].reshape(n_ctx, entropy.N_TOKENS))
+    robs: list = [None] * (len(metas) * n_obj)
+    where = np.zeros((len(robs), 2), np.int64)
+    pos = where_pos
+    for ti, j0, j1, a, r, ctx in passes():
+        for j in range(j0, j1):
+            cols = slice(j * S - a, j * S - a + int(enc.obj_rows[j]))
+            rows = r[:, cols]
+            if rows.any():
+                ids = metas[ti].refine_models[ctx[:, cols]]
+                payload, flags = entropy.encode_ctx(rows, ids), OBJ_REFINE
+            else:
+                payload, flags = b"", OBJ_REFINE | OBJ_ZERO
+            k = ti * n_obj + j
+            spool.seek(pos)
+            spool.write(payload)
+            where[k] = pos, len(payload)
+            pos += len(payload)
+            coarse = obs[k]
+            robs[k] = EncodedObject(tensor=ti, token_start=j * S, n_tokens=coarse.n_tokens, flags=flags, delta=0.0,
+                                    sq_err=0.0, sq_norm=coarse.sq_norm, payload=b"")
+    return robs, where, pos
+
+
+def rans_tokens(q: np.ndarray) -> np.ndarray:
+    """Token of every value of ``q`` (flat int64), as the entropy coder maps it."""
+    from alignpred.entropy.rans import tokenize_array
+
+    return tokenize_array(np.ascontiguousarray(q, np.int32))[0].astype(np.int64)
+
+
+def _tensor_weights(weights, bank, lay):
+    """Per-tensor weights in layout order from a dict (or the bank's sensitivity record)."""
+    from alignpred.bank.registry import sensitivity
+
+    src = "given"
+    if weights is None:
+        rec = sensitivity(bank.id, bank.model)
+        if rec is None:
+            raise KvzError("the weighted scope and target_kl need tensor weights: pass weights={tensor: w}, or measure "
+                           f"them for this bank with benchmarks/sensitivity.py (no record for bank {bank.id[:19]}…)")
+        weights, src = rec["tensor_weights"], "bank sensitivity record"
+    if not isinstance(weights, dict):
+        raise KvzError("weights must be a mapping {tensor name: positive weight}")
+    names = lay.tensor_names()
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise KvzError(f"weights ({src}) lack {missing[0]} (and {len(missing) - 1} more)")
+    w = np.array([float(weights[n]) for n in names])
+    if not (np.all(np.isfinite(w)) and np.all(w > 0)):
+        raise KvzError("tensor weights must be positive finite numbers")
+    return w
+
+
+def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor_cap, lossless, weights,
+              target_kl, threads, progress) -> CompressInfo:
+    config = config or CodecConfig()
+    lay = cache.layout
+    if lossless and config.arith != "exact":
+        from dataclasses import replace
+
+        config = replace(config, arith="exact")  # a refinement tier needs the same coarse bits everywhere
+    if lossless and config.align:
+        raise KvzError("the lossless tier needs exact arithmetic, which does not combine with --align")
+    if lay.n_tokens == 0:
+        raise LayoutError("the cache has no tokens (empty cache); nothing to compress: capture at least one token")
+    if scope not in SCOPES:
+        raise KvzError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
+    if target_kl is not None:
+        if eps is not None:
+            raise KvzError("give eps or target_kl, not both")
+        if not (isinstance(target_kl, (int, float)) and math.isfinite(target_kl) and target_kl > 0):
+            raise KvzError(f"target_kl must be a positive number, got {target_kl!r}")
+        scope = "weighted"
+    elif eps is None:
+        raise KvzError("give the error bound eps (e.g. eps=0.03) or a quality target target_kl")
+    from alignpred.codec.frame import check_rope_range
+
+    check_rope_range(lay, config)
+    bank = _resolve_bank(bank, lay)
+    w = _tensor_weights(weights, bank, lay) if scope == "weighted" else None
+    if target_kl is not None and w is not None:
+        eps = math.sqrt(target_kl / float(w.sum()))
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and 0 < eps < 1):
+        raise KvzError(f"eps must be a number in (0, 1), got {eps!r}")
+    from alignpred.cache.detect import check_rope
+
+    check_rope(lay, bank, cache.tensors)
+    enc = Encoder(lay, bank, config, eps, scope, coder, tensor_cap=tensor_cap, weights=w, threads=threads)
+    bank_bytes = bank.to_bytes() if embed_bank else b""
+    n_obj = enc.n_obj
+    buf = cache.buf
+    is_path = isinstance(out, (str, os.PathLike))
+    # The encoder emits objects chunk-major (all tensors of positions 0..2047, then the next
+    # 2048, ...); the file holds them tensor-major. They wait in an anonymous spool file next to
+    # the output (nothing is left behind on a crash), not in memory.
+    spool = spool_file(out if is_path else None)
+    try:
+        where = np.zeros((2 * lay.num_layers * n_obj, 2), np.int64)  # spool offset, length
+        obs: list = [None] * len(where)
+        pos = 0
+        try:
+            encoded = enc.encode(cache.tensors, progress, release=lambda view: release_pages(buf))
+            for ob in stepwise(blas_single_thread, encoded):
+                k = ob.tensor * n_obj + ob.token_start // config.object_size
+                spool.write(ob.payload)
+                where[k] = pos, len(ob.payload)
+                pos += len(ob.payload)
+                ob.payload = b""
+                obs[k] = ob
+            spool.flush()
+        except OSError as e:  # name the output: the spool file has no name of its own
+            raise KvzError(f"cannot write {os.fspath(out) if is_path else 'the output'}: {e.strerror or e} "
+                           "(temporary spool)") from None
+        metas: list[TensorMeta] = enc.metas
+        entries: list[IndexEntry] = []
+        state = {"bytes": 0}
+        source_metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in cache.metadata.items()}
+        cap = enc.tensor_cap
+
+        def read_spool(k, table=where):
+            n, off = int(table[k, 1]), int(table[k, 0])
+            if not n:
+                return b""
+            spool.seek(off)
+            payload = spool.read(n)
+            if len(payload) != n:
+                raise KvzError("the temporary spool file was truncated while compressing")
+            return payload
+
+        tiers = ["coarse"]
+        if lossless:
+            try:
+                robs, rwhere, pos = _refinement(cache, enc, metas, obs, read_spool, spool, pos)
+            except OSError as e:
+                raise KvzError(f"cannot write {os.fspath(out) if is_path else 'the output'}: {e.strerror or e} "
+                               "(temporary spool)") from None
+            tiers.append("exact")
+
+        def chunks():
+            yield pack_preamble(FLAG_REFINE if lossless else 0, minor=minor_for(lay, config, cap, tiers, scope))
+            off = PREAMBLE_SIZE
+            for table, objs in ((where, obs),) + (((rwhere, robs),) if lossless else ()):
+                for k, ob in enumerate(objs):
+                    payload = read_spool(k, table)
+                    entries.append(IndexEntry(ob.tensor, ob.token_start, ob.n_tokens, ob.flags, off, len(payload),
+                                              ob.delta, ob.sq_err, ob.sq_norm, crc32(payload)))
+                    off += len(payload)
+                    yield payload
+            bank_info = {"id": bank.id, "model": bank.model, "embedded": None}
+            if embed_bank:
+                bank_info["embedded"] = {"offset": off, "length": len(bank_bytes), "crc32": crc32(bank_bytes)}
+                off += len(bank_bytes)
+                yield bank_bytes
+            header = build_header(layout=lay, config=config, eps=eps, scope=scope, tensor_cap=cap, coder=coder,
+                                  bank_info=bank_info, metas=metas, source_metadata=source_metadata, tiers=tiers,
+                                  weights=None if w is None else [float(x) for x in w], target_kl=target_kl)
+            hb = dump_header(header)
+            ib = b"".join(e.pack() for e in entries)
+            ft = Footer(off, len(hb), off + len(hb), len(ib), crc32(hb), crc32(ib))
+            yield hb
+            yield ib
+            yield ft.pack()
+            state["bytes"] = off + len(hb) + len(ib) + FOOTER_SIZE
+
+        data = None
+        if is_path:
+            atomic_write(out, chunks())
+        elif out is None:
+            sink = _pyio.BytesIO()
+            for c in chunks():
+                sink.write(c)
+            data = sink.getvalue()
+        else:
+            if not hasattr(out, "write"):
+                raise KvzError(f"out must be a path, a writable binary stream or None, not {type(out).__name__}")
+            for c in chunks():
+                out.write(c)
+    finally:
+        try:
+            spool.close()  # unlinked already; a failed flush of its last bytes does not matter
+        except OSError:
+            pass
+    tens = {m.name: math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0 for m in metas}
+    tot_e = sum(m.sq_err for m in metas)
+    tot_n = sum(m.sq_norm for m in metas)
+    info = CompressInfo(os.fspath(out) if is_path else None, lay.n_values, state["bytes"], len(bank_bytes),
+                        math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0, tens, bank.id, data, eps=float(eps),
+                        scope=scope)
+    if w is not None:
+        live = np.array([m.sq_norm > 0 for m in metas])
+        err2 = np.array([tens[m.name] ** 2 for m in metas])
+        info.nrmse_weighted = math.sqrt(float(np.sum(w[live] * err2[live]) / np.sum(w[live])))
+        info.kl_predicted = float(np.sum(w * err2))
+    return info
