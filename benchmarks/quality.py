@@ -338,7 +338,7 @@ def _model():
     if _MODEL is None:
         import torch
 
-        from kvz.integrations.gemma_capture import load_gemma
+        from kvz.integrations.hf.gemma import load_gemma
 
         torch.set_num_threads(min(2, os.cpu_count() or 1) if "KVZ_THREADS" not in os.environ
                               else int(os.environ["KVZ_THREADS"]))
@@ -448,7 +448,7 @@ def run_quality(settings: dict, prompts: list | None = None, n_prompts: int = 20
     """
     import torch
 
-    from kvz.integrations.gemma_capture import cache_metadata, layer_info
+    from kvz.integrations.hf.gemma import cache_metadata, layer_info
 
     if free_run not in ("tf", "steps"):
         raise ValueError("free_run must be 'tf' or 'steps'")

@@ -379,7 +379,7 @@ def windows(docs, per_doc: int, context: int, score_tokens: int, tokenizer, spli
 # ============================================================================ model side
 
 def _layer_meta(model):
-    from kvz.integrations.gemma_capture import layer_info
+    from kvz.integrations.hf.gemma import layer_info
 
     return layer_info(Q._text_config(model))
 
@@ -387,7 +387,7 @@ def _layer_meta(model):
 def capture(model, ids: list[int], source: str = "prompt", layer_meta=None) -> Q.KV:
     """Prefill ``ids`` and return the cache as a :class:`~kvz.benchmarks.quality.KV` (bf16, with ``.fp32`` and
     kvz-cache ``.metadata``)."""
-    from kvz.integrations.gemma_capture import cache_metadata
+    from kvz.integrations.hf.gemma import cache_metadata
 
     cfg = Q._text_config(model)
     types, thetas = layer_meta or _layer_meta(model)

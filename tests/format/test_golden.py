@@ -23,7 +23,7 @@ import pytest
 from alignpred import Bank, CodecConfig, KvzReader, compress, entropy, load_cache
 from alignpred.cache.layout import numpy_dtype
 
-VEC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "format_spec", "vectors")
+VEC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "format_spec", "vectors")
 MANIFEST = json.load(open(os.path.join(VEC, "manifest.json")))
 VECTORS = {v["name"]: v for v in MANIFEST["vectors"]}
 

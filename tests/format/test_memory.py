@@ -29,7 +29,7 @@ from alignpred.cache.layout import infer_layout
 pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc"),
               pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("KVZ_SLOW") != "1", reason="slow (~15 s CPU, 4 subprocesses); KVZ_SLOW=1")]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KVZ = [sys.executable, "-c", "import sys; from kvz.cli.main import cli; sys.exit(cli(prog_name='kvz'))"]
 
 

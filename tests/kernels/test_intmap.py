@@ -12,7 +12,7 @@ import pytest
 
 from alignpred.kernels import intmap as im
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _ref_quantize_rows(x, shift):

@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .hf_bridge import cache_kwarg as _cache_kw
-from .hf_bridge import new_cache, text_config
-from .pager import KvPager, kv_bytes
+from kvz.integrations.hf.bridge import cache_kwarg as _cache_kw
+from kvz.integrations.hf.bridge import new_cache, text_config
+from kvz.integrations.pager import KvPager, kv_bytes
 
 __all__ = ["DraftCache", "PagedFullKV", "VeriCacheDecoder", "GenerationResult", "RoundLog", "greedy_reference",
            "speculative_accept", "greedy_accept", "residual", "window_keep", "snapkv_keep", "text_config",
@@ -57,7 +57,7 @@ def build_cache(model, *parts):
     """A fresh cache holding, per layer, the concatenation along positions of ``parts`` (each a list
     of ``(key, value)`` torch tensors ``[1, H, t, D]`` or ``[H, t, D]``, one per layer; ``None``
     entries contribute nothing). Each layer is filled through its own ``update()`` (by
-    :func:`kvz.integrations.hf_bridge.cache_from_kv`) so sliding-window layers keep what they would
+    :func:`kvz.integrations.hf.bridge.cache_from_kv`) so sliding-window layers keep what they would
     after a real prefill."""
     import torch
 
@@ -73,7 +73,7 @@ def build_cache(model, *parts):
         layers.append((ks[0] if len(ks) == 1 else torch.cat(ks, dim=-2),
                        vs[0] if len(vs) == 1 else torch.cat(vs, dim=-2)))
     try:
-        from .hf_bridge import cache_from_kv
+        from kvz.integrations.hf.bridge import cache_from_kv
     except ImportError:  # the bridge is optional here: fill the cache the same way
         cache_from_kv = None
     if cache_from_kv is not None:
@@ -352,7 +352,7 @@ class PagedFullKV:
         before the forward starts. ``tail_kv``: per layer the exact tail ``(k, v)`` or None."""
         import torch
 
-        from .hf_rope import decoder_of
+        from kvz.integrations.hf.rope import decoder_of
 
         cache = new_cache(model)
         dtype = next(model.parameters()).dtype

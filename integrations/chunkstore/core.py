@@ -33,7 +33,7 @@ hit is always exact up to the codec's error.
 **Lookup** returns the longest run of prefix-key hits, then content-key hits for later chunks.
 Hits are decoded with one :class:`alignpred.DecoderSession` straight into preallocated per-layer
 buffers; content hits have their keys re-rotated from their old absolute positions to the new ones
-with the model's own RoPE (:func:`kvz.integrations.hf_rope.rope_spec_from_model`: per-layer
+with the model's own RoPE (:func:`kvz.integrations.hf.rope.rope_spec_from_model`: per-layer
 frequencies and scaling, ``RopeTable.apply`` inverse then forward).
 
 **Repair** of content hits (their KV still reflects the *old* preceding context):
@@ -240,7 +240,7 @@ class ChunkStore:
         if backend is None:
             import os
 
-            from .kvstore import DirectoryBackend
+            from kvz.integrations.kvstore import DirectoryBackend
 
             backend = DirectoryBackend(os.path.expanduser("~/.cache/kvz/chunks"))
         self.backend = backend
@@ -264,8 +264,8 @@ class ChunkStore:
     @classmethod
     def for_model(cls, model, backend=None, *, model_id: str | None = None, max_positions: int = 8192, **kw):
         """A store for ``model``'s KV (layer types, exact RoPE and shape read from the model)."""
-        from .hf_bridge import kv_shape, model_id_of
-        from .hf_rope import layer_types_of, rope_spec_from_model
+        from kvz.integrations.hf.bridge import kv_shape, model_id_of
+        from kvz.integrations.hf.rope import layer_types_of, rope_spec_from_model
 
         return cls(backend, model_id=model_id or model_id_of(model), layer_types=layer_types_of(model.config),
                    rope=rope_spec_from_model(model, max_positions), shape=kv_shape(model), **kw)
@@ -422,7 +422,7 @@ class ReuseEngine:
     def __init__(self, model, store: ChunkStore | None, *, reuse: str = "content", repair: str = "seam",
                  R: int = 32, blend_ratio: float = 0.1, probe_layer: int = 1, store_new: bool = True,
                  refresh_after: bool = True):
-        from .hf_bridge import cache_kwarg, kv_shape, text_config
+        from kvz.integrations.hf.bridge import cache_kwarg, kv_shape, text_config
 
         if reuse not in ("none", "prefix", "content"):
             raise ValueError("reuse must be none, prefix or content")
@@ -440,7 +440,7 @@ class ReuseEngine:
         self.window = getattr(self.cfg, "sliding_window", None)
         self.kw = cache_kwarg(model)
         self.dtype = next(model.parameters()).dtype
-        from .hf_rope import decoder_of
+        from kvz.integrations.hf.rope import decoder_of
 
         self.decoder = decoder_of(model)
         self._spec = store.rope if store is not None else None
@@ -571,7 +571,7 @@ class ReuseEngine:
                 logits = out.logits[0, -1]
             else:
                 logits = self._forward_scatter(ids, positions.tolist(), K, V)
-                from .hf_bridge import new_cache
+                from kvz.integrations.hf.bridge import new_cache
 
                 cache = new_cache(self.model)
                 for i in range(L):

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("doc", ["README.md", "format_spec/README.md", "samples/README.md", "benchmarks/RESULTS.md"])

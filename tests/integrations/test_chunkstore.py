@@ -1,4 +1,4 @@
-"""The KV chunk store (integrations/chunkstore.py): keys, exact prefix reuse, content reuse at another
+"""The KV chunk store (integrations/chunkstore/core.py): keys, exact prefix reuse, content reuse at another
 position (RoPE re-rotation + repair), corrupt entries, concurrent writers, Redis outages.
 
 CI tests use a tiny random-weight Gemma 3 (tests/test_hf_bridge.py) or synthetic KV; the ``model``
@@ -23,7 +23,7 @@ from kvz.integrations.chunkstore import TOKENS_META, ChunkStore, ChunkStoreWarni
 from kvz.integrations.kvstore import DirectoryBackend, RedisBackend, StoreWarning
 from kvz.integrations.kvstore.server import redis_server_fixture
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KINDS = ["directory", "redis"]
 
 
@@ -186,7 +186,7 @@ def test_concurrent_writers_and_readers(kind, tmp_path, request):
     roles = "wwwwrr"
     spec.update(sync=str(tmp_path / "sync"), done=str(tmp_path / "writers-done"), procs=len(roles))
     os.makedirs(spec["sync"])
-    code = WORKER.format(tests=os.path.join(ROOT, "tests"))
+    code = WORKER.format(tests=os.path.join(ROOT, "tests", "integrations"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(spec), role, str(i)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env)
@@ -206,12 +206,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvz.integrations.chunkstore import ReuseEngine  # noqa: E402
-from kvz.integrations.hf_bridge import capture_prefill  # noqa: E402
+from kvz.integrations.hf.bridge import capture_prefill  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "integrations"))
     from test_hf_bridge import tiny_gemma
 
     return tiny_gemma()

@@ -10,13 +10,13 @@ writes:
   post RoPE, as cached; values as cached);
 * ``__metadata__`` (all strings): ``format`` (``kvz-cache``), ``kvz.version``, ``model``,
   ``layer_types`` (JSON list), ``rope`` (``json.dumps(RopeSpec.to_json())``: per-layer float32
-  ``inv_freq``, ``attention_scaling``, pairing — see :mod:`kvz.integrations.hf_rope`),
+  ``inv_freq``, ``attention_scaling``, pairing — see :mod:`kvz.integrations.hf.rope`),
   ``keys_roped`` (``"true"``), ``position_offset`` (``"0"``), ``token_ids`` (JSON list),
   ``source``; plus ``rope_theta`` / ``rope_pairing`` when every layer has plain default RoPE
   (informational, for readers that predate ``rope``).
 
 RoPE exactness: the spec is read from the model's rotary module for the prefilled length and
-checked against the model's rotation function (:func:`~kvz.integrations.hf_rope.rope_spec_from_model`);
+checked against the model's rotation function (:func:`~kvz.integrations.hf.rope.rope_spec_from_model`);
 during the prefill every rotary call is recorded and must have used exactly those parameters,
 otherwise the capture fails. Sequence-length dependent RoPE (dynamic NTK, longrope) is prefilled
 in one call when chunking would change its frequencies.
@@ -247,7 +247,14 @@ def record_kv(model, ids: Sequence[int], *, chunk: int = 1024, dtype: str = "flo
     :class:`~alignpred.cache.rope.RopeSpec`, and ``{"seconds", "chunk", "layer_types"}``."""
     import torch
 
-    from .hf_rope import decoder_of, layer_types_of, prefill_chunk, record_rope_calls, rope_spec_from_model, text_config
+    from kvz.integrations.hf.rope import (
+        decoder_of,
+        layer_types_of,
+        prefill_chunk,
+        record_rope_calls,
+        rope_spec_from_model,
+        text_config,
+    )
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -313,7 +320,7 @@ def record_kv(model, ids: Sequence[int], *, chunk: int = 1024, dtype: str = "flo
 
 def _check_rope_calls(calls, spec, layer_types, dec) -> None:
     """Every rotary call of the prefill must have used the spec's parameters."""
-    from .hf_rope import _takes_layer_type
+    from kvz.integrations.hf.rope import _takes_layer_type
 
     keyed = _takes_layer_type(dec.rotary_emb)
     want: dict = {}
@@ -356,7 +363,7 @@ def capture_model(model, tokenizer, tokens, out_path: str | os.PathLike, dtype: 
                              f"{max_tokens} were requested")
         ids = ids[:max_tokens]
     tensors, spec, info = record_kv(model, ids, chunk=chunk, dtype=dtype, progress=progress)
-    from .hf_rope import rope_thetas
+    from kvz.integrations.hf.rope import rope_thetas
 
     if model_id is None:
         cfg = model.config

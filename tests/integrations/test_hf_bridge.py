@@ -1,4 +1,4 @@
-"""The transformers cache bridge (integrations/hf_bridge.py): capture every position of every layer,
+"""The transformers cache bridge (integrations/hf/bridge.py): capture every position of every layer,
 save as .kvz, load back as a DynamicCache that generation continues from.
 
 CI tests use a tiny random-weight Gemma 3 (sliding window 24, no download); the ``model`` test runs
@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from alignpred import Cache, KvzError, KvzReader, fit_bank  # noqa: E402
-from kvz.integrations.hf_bridge import cache_from_kv, cache_kwarg, capture_prefill, kv_metadata, load_cache, save_kv  # noqa: E402
+from kvz.integrations.hf.bridge import cache_from_kv, cache_kwarg, capture_prefill, kv_metadata, load_cache, save_kv  # noqa: E402
 
 WINDOW = 24
 
@@ -161,7 +161,7 @@ def test_gemma_generate_from_decoded_cache(gemma, tmp_path):
     model, tok = gemma
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "samples" / "texts" / "english-prose.txt").read_text()
+    text = (Path(__file__).resolve().parents[2] / "samples" / "texts" / "english-prose.txt").read_text()
     ids = tok(text)["input_ids"][:601]
     _, _, kv = capture_prefill(model, ids[:-1])
     path = tmp_path / "g.kvz"

@@ -1,4 +1,4 @@
-"""Tests for integrations/gemma_capture.py and ``kvz capture``.
+"""Tests for integrations/hf/gemma.py and ``kvz capture``.
 
 The ``model`` tests load Gemma 3 270M on the CPU (about 15 s with the cached
 dequantized copy, about 60 s the first time) and check that the recorded K/V
@@ -15,7 +15,7 @@ import pytest
 
 from alignpred.cache.rope import RopeSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROSE = ROOT / "samples" / "texts" / "english-prose.txt"
 
 
@@ -49,7 +49,7 @@ def test_metadata_and_atomic_write(tmp_path, dtype):
     pytest.importorskip("safetensors")
     from safetensors import safe_open
 
-    from kvz.integrations.gemma_capture import cache_metadata, write_cache_atomic
+    from kvz.integrations.hf.gemma import cache_metadata, write_cache_atomic
 
     meta = cache_metadata(["sliding_attention", "full_attention"], [1e4, 1e6], [2, 5, 7], "unit-test")
     assert all(isinstance(v, str) for v in meta.values())
@@ -78,7 +78,7 @@ def test_metadata_and_atomic_write(tmp_path, dtype):
 def test_metadata_with_rope_spec(tmp_path):
     torch = pytest.importorskip("torch")
     from alignpred import load_cache
-    from kvz.integrations.gemma_capture import cache_metadata, write_cache_atomic
+    from kvz.integrations.hf.gemma import cache_metadata, write_cache_atomic
 
     spec = RopeSpec.from_thetas([1e4, 1e6], head_dim=8)
     meta = cache_metadata(["sliding_attention", "full_attention"], None, [2, 5, 7], "unit", rope=spec)
@@ -120,7 +120,7 @@ def test_capture_matches_model_cache(gemma, tmp_path):
     from transformers import DynamicCache
 
     from alignpred import load_cache
-    from kvz.integrations.gemma_capture import capture, tokenize
+    from kvz.integrations.hf.gemma import capture, tokenize
 
     model, tok = gemma
     text = PROSE.read_text(encoding="utf-8")
@@ -207,7 +207,7 @@ def test_capture_bf16_and_too_short(gemma, tmp_path):
     import torch
     from safetensors import safe_open
 
-    from kvz.integrations.gemma_capture import capture
+    from kvz.integrations.hf.gemma import capture
 
     model, tok = gemma
     text = PROSE.read_text(encoding="utf-8")
