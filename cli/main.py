@@ -12,11 +12,9 @@ import warnings
 
 import click
 
-from alignpred import CodecConfig, KvzError, KvzReader, fit_bank, load_cache
-from alignpred import compress as compress_cache
-from alignpred.bank.registry import find as find_bank
-from alignpred.errors import OutputExistsError
-from alignpred.io import same_file
+# Only the light part of kvz at import time (``kvz --help`` must start in well under 0.15 s): every
+# command imports the library it uses when it runs.
+from alignpred.errors import KvzError, OutputExistsError
 
 
 def _errors(fn):
@@ -38,6 +36,8 @@ def _errors(fn):
 
 def _check_output(out: str, force: bool, inputs=()) -> None:
     """Refuse to overwrite an existing file without ``--force``, and ever to overwrite an input."""
+    from alignpred.io import same_file
+
     for src in inputs:
         if same_file(out, src):
             raise OutputExistsError(f"{out} is also an input of this command; write the output elsewhere (-o)")
@@ -94,8 +94,9 @@ def cli():
 @click.option("--no-rope-undo", is_flag=True, help="Ablation: code keys with RoPE applied.")
 @click.option("--sink-tokens", type=click.IntRange(min=0), default=1, show_default=True,
               help="First positions of the sequence (attention sink) coded with a 16x finer step; 0 disables.")
-@click.option("--tensor-cap", type=float, default=3.0, show_default=True,
-              help="Pooled scope: cap every tensor's NRMSE at this multiple of eps (0 = no cap).")
+@click.option("--tensor-cap", type=float, default=None,
+              help="Pooled and weighted scopes: cap every tensor's NRMSE at this multiple of eps (0 = no cap)  "
+                   "[default: alignpred.codec.budget.TENSOR_CAP, 3]")
 @click.option("--lossless", is_flag=True,
               help="Add a refinement tier: the file decodes to the original bits; its coarse tier (at --eps) stays "
                    "readable alone (decompress --tier coarse).")
@@ -111,22 +112,26 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
 
     BANK is a bank file, a registered bank's name (see `kvz bank list`; e.g. gemma-3-270m) or
     its content id."""
+    _skip_numba_blas_probe()
+    from alignpred import CodecConfig, ErrorBudget, compress, fit_bank, load_cache
+    from alignpred.bank import fitting, resolve_bank
+    from alignpred.codec.budget import DEFAULT_EPS
+
     out = out or os.path.splitext(src)[0] + ".kvz"
     if target_kl is not None and eps is not None:
         raise click.UsageError("give --eps or --target-kl, not both")
-    if target_kl is None and eps is None:
-        eps = 0.03
     if self_calibrate and bank:
         raise click.UsageError("give one of --bank BANK or --self-calibrate, not both")
+    # The budget is checked before the input is read: a bad --eps is one line, at once.
+    budget = ErrorBudget.from_options(eps=DEFAULT_EPS if eps is None and target_kl is None else eps, scope=eps_scope,
+                                      tensor_cap=tensor_cap, target_kl=target_kl)
     cache = load_cache(src)  # a bad input is reported before the output is looked at
     _check_output(out, force, [src])
     if self_calibrate:
         b = fit_bank([cache], rank=rank or None, rotations=align)
     elif bank:
-        b = find_bank(bank, cache.layout)
+        b = resolve_bank(bank, cache.layout)
     else:
-        from alignpred.bank.registry import fitting
-
         es = fitting(cache.layout)
         hint = f" (the {es[0].origin} bank {es[0].name} fits this cache: --bank {es[0].name})" if es else ""
         raise click.UsageError(f"give --bank BANK{hint} or --self-calibrate")
@@ -135,9 +140,8 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
     # The step search makes several whole-cache passes (their number is not known in advance):
     # the bar counts positions coded over all passes.
     with _progress(None, "compress", quiet, unit="pos") as bar:
-        info = compress_cache(cache, out, eps=eps, bank=b, scope=eps_scope, config=cfg, embed_bank=self_calibrate,
-                              tensor_cap=tensor_cap, lossless=lossless, target_kl=target_kl, threads=threads,
-                              progress=bar.update)
+        info = compress(cache, out, budget=budget, bank=b, config=cfg, embed_bank=self_calibrate,
+                        lossless=lossless, threads=threads, progress=bar.update)
     eps, eps_scope = info.eps, info.scope
     b_id = info.bank_id
     res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "lossless": lossless, "bpv": info.bpv,
@@ -145,7 +149,7 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
            "nrmse_pooled": info.nrmse_pooled, "nrmse_max_tensor": info.nrmse_max_tensor, "bank_id": b_id,
            "nrmse_weighted": info.nrmse_weighted, "kl_predicted": info.kl_predicted, "target_kl": target_kl}
     src_bits = 32 if cache.layout.dtype == "float32" else 16
-    cap_note = f", tensor cap {tensor_cap:g} x eps" if eps_scope in ("pooled", "weighted") and tensor_cap else ""
+    cap_note = f", tensor cap {budget.cap:g} x eps" if budget.cap else ""
     weighted_note = (f"; weighted NRMSE {info.nrmse_weighted:.6f}, predicted KL {info.kl_predicted:.2e}"
                      if info.nrmse_weighted is not None else "")
     _emit(res, as_json, [f"{out}: {info.file_bytes} bytes, {info.bpv:.3f} bits/value "
@@ -182,6 +186,9 @@ def decompress(srcs, out, bank, tokens, layers, tier, threads, force, as_json, q
     decoded. Streams in bounded memory: 2,048 positions of every layer at a time (decoded on all
     threads), each slice written at its place in a temporary file renamed over the output at the
     end."""
+    _skip_numba_blas_probe()
+    from alignpred import KvzReader
+
     outs = _decompress_outputs(srcs, out)
     rng = None
     if tokens:
@@ -257,6 +264,9 @@ def _decompress_outputs(srcs, out) -> list[str]:
 @_errors
 def calibrate(caches, out, rank, depth, group_size, no_rotations, eps_cal, force, as_json):
     """Fit a calibration bank (GPA rotations and prediction maps) on caches of one model."""
+    _skip_numba_blas_probe()
+    from alignpred import fit_bank, load_cache
+
     _check_output(out, force, caches)
     loaded = [load_cache(c) for c in caches]
     bank = fit_bank(loaded, rank=rank or None, depth=depth, group_size=group_size, rotations=not no_rotations,
@@ -273,6 +283,8 @@ def calibrate(caches, out, rank, depth, group_size, no_rotations, eps_cal, force
 @_errors
 def inspect(src, as_json):
     """Show layout, bits per value and achieved error per tensor, and the bank id."""
+    from alignpred import KvzReader
+
     s = KvzReader(src).summary()
     lay = s["layout"]
     cap = f", tensor cap {s['tensor_cap']:g} x eps" if s["tensor_cap"] else ""
@@ -299,7 +311,7 @@ def bank():
 @_errors
 def bank_list(as_json):
     """Registered banks, in lookup order ($KVZ_BANK_PATH, the user folder, the bundled ones)."""
-    from alignpred.bank.registry import registry, search_dirs
+    from alignpred.bank import registry, search_dirs
 
     es = registry()
     rows = [{"name": e.name, "id": e.id, "model": e.model, "signature": e.signature, "origin": e.origin,
@@ -323,7 +335,7 @@ def bank_list(as_json):
 @_errors
 def bank_add(path, name, force, as_json):
     """Verify a bank file and copy it into the user bank folder."""
-    from alignpred.bank.registry import add
+    from alignpred.bank import add
 
     e = add(path, name, force)
     _emit({"name": e.name, "id": e.id, "path": e.path}, as_json, [f"{e.name}: {e.id} -> {e.path}"])
@@ -335,7 +347,9 @@ def bank_add(path, name, force, as_json):
 @_errors
 def bank_show(ref, as_json):
     """Details of a bank (REF: a path, a registry name or a content id)."""
-    b = find_bank(ref)
+    from alignpred.bank import resolve_bank
+
+    b = resolve_bank(ref)
     cfg = b.config
     maps = sorted({n.split("/")[1] for n in b.arrays if n.startswith("map/")})
     info = {"id": b.id, "model": b.model, "signature": b.signature, "bytes": b.nbytes, "arrays": len(b.arrays),
@@ -391,7 +405,6 @@ def _skip_numba_blas_probe() -> None:
 
 def main():
     warnings.showwarning = _show_warning  # one line on stderr, no source line
-    _skip_numba_blas_probe()
     cli(prog_name="kvz")
 
 

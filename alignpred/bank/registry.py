@@ -139,6 +139,69 @@ def find(ref, layout=None):
     return e.load()
 
 
+def resolve_bank(ref, layout=None, *, session=None):
+    """The one bank resolver: every caller that turns a *bank reference* into a
+    :class:`~alignpred.bank.bank.Bank` goes through here (the CLI, :func:`~alignpred.compress`,
+    :class:`~alignpred.KvzReader`, :class:`~alignpred.DecoderSession`).
+
+    ``ref``: a ``Bank`` (returned as is), a path to a bank file, a content id (or unique prefix of
+    at least 8 hex digits) or a registry name. ``None`` is an error that names the registered banks
+    fitting ``layout``. ``session``: a :class:`BankRegistry` asked first for ids (banks already
+    loaded), which keeps what it loads.
+
+    >>> resolve_bank("gemma-3-270m").id == resolve_bank(resolve_bank("gemma-3-270m").id).id
+    True
+    """
+    if ref is None:
+        if layout is None:
+            raise BankMismatchError("a calibration bank is needed (bank=...)" + _fitting_hint(None))
+        es = fitting(layout)
+        hint = (f"; the {es[0].origin} bank {es[0].name!r} fits this cache: pass bank={es[0].name!r}" if es else
+                "; fit one with alignpred.fit_bank on other caches of this model, or pass a self-calibrated bank "
+                "(fit_bank([cache]) with embed_bank=True)")
+        raise BankMismatchError(f"compression needs a calibration bank (bank=...){hint}")
+    if session is not None and isinstance(ref, str):
+        hit = session.get(ref)
+        if hit is not None:
+            return hit
+    bank = find(ref, layout)
+    if session is not None:
+        session.add(bank)
+    return bank
+
+
+class BankRegistry:
+    """Banks already loaded, by content id, in front of the on-disk registry (what a
+    :class:`~alignpred.DecoderSession` holds so that many small files load their bank once).
+
+    >>> reg = BankRegistry()
+    >>> b = reg.for_file(resolve_bank("gemma-3-270m").id, layout=None)
+    >>> reg.get(b.id) is b
+    True
+    """
+
+    def __init__(self, banks=()):
+        self._banks = {b.id: b for b in banks}
+
+    def add(self, bank) -> None:
+        self._banks[bank.id] = bank
+
+    def get(self, bank_id: str):
+        """A loaded bank by exact id, or None."""
+        return self._banks.get(bank_id)
+
+    def for_file(self, bank_id: str, layout, where: str = ""):
+        """The bank a file names (by content id): loaded, or from the registry, or a
+        :class:`BankMismatchError` that names registered banks of the same shape."""
+        b = self._banks.get(bank_id)
+        if b is None:
+            e = lookup(bank_id)
+            if e is None:
+                raise missing_bank_error(bank_id, layout, where)
+            b = self._banks[bank_id] = e.load()
+        return b
+
+
 def fitting(layout) -> list[BankEntry]:
     """Registered banks whose signature fits ``layout`` (same model name first)."""
     es = [e for e in registry() if e.fits(layout)]

@@ -9,12 +9,13 @@ its measured effect on the model's output; both cap every tensor at ``tensor_cap
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from alignpred import entropy
 from alignpred.cache.layout import Block, tensor_name
+from alignpred.codec.budget import JOINT, ErrorBudget, TensorMeta
 from alignpred.codec.chain import OBJ_ZERO, Chain, obj_sums
 from alignpred.codec.predictors import BASE_MASK, INTERP, ZERO
 from alignpred.codec.ratesearch import bracket_search
@@ -22,10 +23,7 @@ from alignpred.errors import EncodeError, NonFiniteError
 from alignpred.kernels.quantize import candidate_bits, quantize
 from alignpred.threads import default_threads, pool
 
-SCOPES = ("object", "tensor", "pooled", "weighted")
-JOINT = ("pooled", "weighted")  # scopes whose budget spans the whole cache
 CHOICE_OBJECTS = 8  # the encoder chooses predictor modes on at most this many objects per tensor
-TENSOR_CAP = 3.0  # pooled/weighted scope: default cap of every tensor's NRMSE, in multiples of eps
 
 
 @dataclass
@@ -38,19 +36,6 @@ class EncodedObject:
     sq_err: float
     sq_norm: float
     payload: bytes
-
-
-@dataclass
-class TensorMeta:
-    """Per-tensor coding parameters (stored in the file header)."""
-
-    name: str
-    modes: np.ndarray  # uint8 [kv_heads, head_dim]
-    models: np.ndarray  # uint8 [kv_heads * head_dim]
-    sq_err: float = 0.0
-    sq_norm: float = 0.0
-    objects: list = field(default_factory=list, repr=False)
-    refine_models: np.ndarray | None = None  # uint8 [kv_heads * head_dim]: refinement tier's models
 
 
 class Encoder(Chain):
@@ -72,22 +57,18 @@ class Encoder(Chain):
     to drop mapped input pages from the resident set.
     """
 
-    def __init__(self, layout, bank, config, eps: float, scope: str = "tensor", coder: str = "rans4",
-                 chunk_objects: int = 2, tensor_cap: float = TENSOR_CAP, plans=None, weights=None,
-                 threads: int | None = None):
+    def __init__(self, layout, bank, config, budget: ErrorBudget, coder: str = "rans4", chunk_objects: int = 2,
+                 plans=None, weights=None, threads: int | None = None):
         super().__init__(layout, bank, config, coder, plans)
-        if not (0.0 < eps < 1.0):
-            raise EncodeError(f"eps must be in (0, 1), got {eps}")
-        if scope not in SCOPES:
-            raise EncodeError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
-        if not (tensor_cap == 0 or 1.0 <= tensor_cap < 1e6):
-            raise EncodeError(f"tensor_cap must be 0 (none) or >= 1, got {tensor_cap}")
-        self.eps = float(eps)
-        self.scope = scope
-        self.tensor_cap = float(tensor_cap) if scope in JOINT else 0.0
+        if budget.eps is None:
+            raise EncodeError("the encoder needs a resolved budget (ErrorBudget.resolved): eps is not known yet")
+        self.budget = budget
+        self.eps = float(budget.eps)
+        self.scope = budget.scope
+        self.tensor_cap = budget.cap
         n_t = 2 * layout.num_layers
         self.weights: np.ndarray | None = None
-        if scope == "weighted":
+        if self.scope == "weighted":
             w = np.asarray(weights if weights is not None else [], np.float64).reshape(-1)
             if w.shape != (n_t,) or not np.all(np.isfinite(w)) or not np.all(w > 0):
                 raise EncodeError(f"the weighted scope needs {n_t} positive finite tensor weights")

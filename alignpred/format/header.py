@@ -2,8 +2,9 @@
 the writer and validated by the reader before anything is decoded (every key, type and range),
 and the bank checks a decoder relies on.
 
->>> h = build_header(layout=_toy_layout(), config=CodecConfig(), eps=0.03, scope="tensor", tensor_cap=0.0,
-...                  coder="rans4", bank_info={"id": "sha256:" + "0" * 64, "model": "", "embedded": None},
+>>> from alignpred.codec.budget import ErrorBudget
+>>> h = build_header(layout=_toy_layout(), config=CodecConfig(), budget=ErrorBudget(eps=0.03), coder="rans4",
+...                   bank_info={"id": "sha256:" + "0" * 64, "model": "", "embedded": None},
 ...                  metas=[], source_metadata={})
 >>> sorted(h["codec"])
 ['config', 'entropy', 'eps', 'eps_scope', 'name']
@@ -19,8 +20,8 @@ from alignpred import entropy
 from alignpred._version import __version__
 from alignpred.bank.bank import Bank
 from alignpred.cache.layout import CacheLayout
+from alignpred.codec.budget import SCOPES, ErrorBudget, TensorMeta
 from alignpred.codec.config import ARITHS, SINK_ORIGINS, CodecConfig
-from alignpred.codec.encoder import SCOPES, TensorMeta
 from alignpred.errors import BankMismatchError, FormatError
 from alignpred.format.container import FLAG_REFINE, MAJOR
 
@@ -46,7 +47,7 @@ def unb64(s, n: int, what: str) -> np.ndarray:
 TIERS = ("coarse", "exact")
 
 
-def minor_for(layout, config, tensor_cap: float = 0.0, tiers=("coarse",), scope: str = "tensor") -> int:
+def minor_for(layout, config, scope: str = "tensor", tiers=("coarse",)) -> int:
     """The oldest minor version that can express a file: 1.1 for exact arithmetic, an absolute
     sink, an exact RoPE spec, a tensor cap or a refinement tier; 1.0 otherwise (kvz 0.1)."""
     new = (config.arith != "float" or config.sink_origin != "file" or layout.rope is not None
@@ -54,10 +55,11 @@ def minor_for(layout, config, tensor_cap: float = 0.0, tiers=("coarse",), scope:
     return 1 if new else 0
 
 
-def build_header(*, layout, config, eps, scope, tensor_cap, coder, bank_info, metas, source_metadata,
-                 tiers=("coarse",), weights=None, target_kl=None) -> dict:
-    """The header dict of a file (the writer adds nothing else)."""
-    codec = {"name": "alignpred", "config": config.to_json(), "eps": eps, "eps_scope": scope,
+def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas, source_metadata,
+                 tiers=("coarse",), weights=None) -> dict:
+    """The header dict of a file (the writer adds nothing else); ``budget`` is resolved (eps known)."""
+    scope, tensor_cap, target_kl = budget.scope, budget.cap, budget.target_kl
+    codec = {"name": "alignpred", "config": config.to_json(), "eps": budget.eps, "eps_scope": scope,
              "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": entropy.PREC}}
     if tensor_cap:
         codec["tensor_cap"] = tensor_cap
@@ -73,7 +75,7 @@ def build_header(*, layout, config, eps, scope, tensor_cap, coder, bank_info, me
         return t
 
     return {
-        "format": "kvz", "version": [MAJOR, minor_for(layout, config, tensor_cap, tiers, scope)],
+        "format": "kvz", "version": [MAJOR, minor_for(layout, config, scope, tiers)],
         "flags": FLAG_REFINE if "exact" in tiers else 0,
         "created_by": f"kvz {__version__}", "layout": layout.to_json(), "codec": codec, "bank": bank_info,
         "tensors": [tensor(m) for m in metas],

@@ -27,7 +27,7 @@ import numpy as np
 
 from alignpred import entropy
 from alignpred.bank.bank import Bank
-from alignpred.bank.registry import find as find_bank
+from alignpred.bank.registry import resolve_bank
 from alignpred.cache.arrays import as_numpy
 from alignpred.cache.layout import CacheLayout, numpy_dtype
 from alignpred.codec.chain import OBJ_REFINE, OBJ_ZERO
@@ -127,7 +127,7 @@ class KvzReader:
             raise FormatError(f"unsupported entropy coder {ent!r}")
         from alignpred.format.header import minor_for
 
-        if self.version[1] < minor_for(self.layout, self.config, self.tensor_cap, self.tiers, self.scope):
+        if self.version[1] < minor_for(self.layout, self.config, self.scope, self.tiers):
             raise FormatError(f"the header uses features of a newer minor version than the file's {self.version}")
         lay = self.layout
         S = self.config.object_size
@@ -185,7 +185,7 @@ class KvzReader:
         elif self._bank_arg is None:
             bank = self.session.bank(self.bank_id, self.layout, f"{self.path} ")
         else:
-            bank = find_bank(self._bank_arg, self.layout)
+            bank = resolve_bank(self._bank_arg, self.layout, session=self.session.banks)
         if bank.id != self.bank_id:
             raise BankMismatchError(f"{self.path} needs bank {self.bank_id[:19]}… but got {bank.id[:19]}…; "
                                     "use the bank the file was compressed with")

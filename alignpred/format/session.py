@@ -6,7 +6,7 @@ import json
 from collections import OrderedDict
 
 from alignpred.bank.bank import Bank
-from alignpred.bank.registry import lookup, missing_bank_error
+from alignpred.bank.registry import BankRegistry
 from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
 from alignpred.format.header import check_bank
@@ -24,22 +24,16 @@ class DecoderSession:
     """
 
     def __init__(self, banks=(), max_plans: int = 8):
-        self._banks = {b.id: b for b in banks}
+        self.banks = BankRegistry(banks)
         self._plans: OrderedDict = OrderedDict()
         self.max_plans = max_plans
         self.plans_built = 0
 
     def bank(self, bank_id: str, layout, where: str = "") -> Bank:
-        b = self._banks.get(bank_id)
-        if b is None:
-            e = lookup(bank_id)
-            if e is None:
-                raise missing_bank_error(bank_id, layout, where)
-            b = self._banks[bank_id] = e.load()
-        return b
+        return self.banks.for_file(bank_id, layout, where)
 
     def add_bank(self, bank: Bank) -> None:
-        self._banks[bank.id] = bank
+        self.banks.add(bank)
 
     def decoder(self, layout, bank: Bank, config: CodecConfig, coder: str) -> Decoder:
         """A decoder with plans from the cache (built and the bank checked on first use)."""

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from alignpred import entropy
-from alignpred.bank.registry import find as find_bank
-from alignpred.bank.registry import fitting
+from alignpred.bank.registry import resolve_bank
 from alignpred.codec import refine
+from alignpred.codec.budget import ErrorBudget, TensorMeta
 from alignpred.codec.chain import OBJ_REFINE, OBJ_ZERO
 from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
-from alignpred.codec.encoder import SCOPES, TENSOR_CAP, EncodedObject, Encoder, TensorMeta
-from alignpred.errors import BankMismatchError, KvzError, LayoutError, OutputExistsError
+from alignpred.codec.encoder import EncodedObject, Encoder
+from alignpred.errors import KvzError, LayoutError, OutputExistsError
 from alignpred.format.container import (
     FLAG_REFINE,
     FOOTER_SIZE,
@@ -86,20 +86,10 @@ def _as_cache(cache):
                       "load_cache) or a dict of arrays")
 
 
-def _resolve_bank(bank, layout):
-    if bank is None:
-        es = fitting(layout)
-        hint = (f"; the {es[0].origin} bank {es[0].name!r} fits this cache: pass bank={es[0].name!r}" if es else
-                "; fit one with alignpred.fit_bank on other caches of this model, or pass a self-calibrated bank "
-                "(fit_bank([cache]) with embed_bank=True)")
-        raise BankMismatchError(f"compression needs a calibration bank (bank=...){hint}")
-    return find_bank(bank, layout)
-
-
-def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str = "tensor",
+def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str | None = None,
              config: CodecConfig | None = None, embed_bank: bool = False, coder: str = CODER,
-             tensor_cap: float = TENSOR_CAP, lossless: bool = False, weights=None, target_kl: float | None = None,
-             threads: int | None = None, progress=None) -> CompressInfo:
+             tensor_cap: float | None = None, lossless: bool = False, weights=None, target_kl: float | None = None,
+             threads: int | None = None, progress=None, budget: ErrorBudget | None = None) -> CompressInfo:
     """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
     ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
     scope also caps every tensor at ``tensor_cap × eps``, 0 = no cap).
@@ -118,15 +108,21 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
     (``KvzReader(..., tier="coarse")``), e.g. as a drafter's cache.
     ``threads``: kvz's own worker threads (default: the cores available); the file does not
     depend on it. ``progress(n)`` is called with positions done (several passes may run).
+    ``budget``: an :class:`~alignpred.ErrorBudget` instead of the loose ``eps``, ``scope``,
+    ``tensor_cap``, ``weights`` and ``target_kl`` (which are validated into one).
     """
+    if budget is None:
+        budget = ErrorBudget.from_options(eps=eps, scope=scope, tensor_cap=tensor_cap, weights=weights,
+                                          target_kl=target_kl)
+    elif any(v is not None for v in (eps, scope, tensor_cap, weights, target_kl)):
+        raise KvzError("give budget= or the loose eps/scope/tensor_cap/weights/target_kl options, not both")
     cache = _as_cache(cache)
     src = cache.path
     try:
         if isinstance(out, (str, os.PathLike)) and src and same_file(out, src):
             raise OutputExistsError(f"{os.fspath(out)} is the input cache; write the .kvz to another path")
-        return _compress(cache, out, eps=eps, bank=bank, scope=scope, config=config, embed_bank=embed_bank,
-                         coder=coder, tensor_cap=tensor_cap, lossless=lossless, weights=weights,
-                         target_kl=target_kl, threads=threads, progress=progress)
+        return _compress(cache, out, budget=budget, bank=bank, config=config, embed_bank=embed_bank,
+                         coder=coder, lossless=lossless, threads=threads, progress=progress)
     except KvzError as e:
         if src and src not in str(e):
             raise type(e)(f"{src}: {e}") from None
@@ -203,31 +199,8 @@ def rans_tokens(q: np.ndarray) -> np.ndarray:
     return tokenize_array(np.ascontiguousarray(q, np.int32))[0].astype(np.int64)
 
 
-def _tensor_weights(weights, bank, lay):
-    """Per-tensor weights in layout order from a dict (or the bank's sensitivity record)."""
-    from alignpred.bank.registry import sensitivity
-
-    src = "given"
-    if weights is None:
-        rec = sensitivity(bank.id, bank.model)
-        if rec is None:
-            raise KvzError("the weighted scope and target_kl need tensor weights: pass weights={tensor: w}, or measure "
-                           f"them for this bank with benchmarks/sensitivity.py (no record for bank {bank.id[:19]}…)")
-        weights, src = rec["tensor_weights"], "bank sensitivity record"
-    if not isinstance(weights, dict):
-        raise KvzError("weights must be a mapping {tensor name: positive weight}")
-    names = lay.tensor_names()
-    missing = [n for n in names if n not in weights]
-    if missing:
-        raise KvzError(f"weights ({src}) lack {missing[0]} (and {len(missing) - 1} more)")
-    w = np.array([float(weights[n]) for n in names])
-    if not (np.all(np.isfinite(w)) and np.all(w > 0)):
-        raise KvzError("tensor weights must be positive finite numbers")
-    return w
-
-
-def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor_cap, lossless, weights,
-              target_kl, threads, progress) -> CompressInfo:
+def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, coder, lossless, threads,
+              progress) -> CompressInfo:
     config = config or CodecConfig()
     lay = cache.layout
     if lossless and config.arith != "exact":
@@ -238,29 +211,17 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
         raise KvzError("the lossless tier needs exact arithmetic, which does not combine with --align")
     if lay.n_tokens == 0:
         raise LayoutError("the cache has no tokens (empty cache); nothing to compress: capture at least one token")
-    if scope not in SCOPES:
-        raise KvzError(f"unknown eps scope {scope!r}; use one of {', '.join(SCOPES)}")
-    if target_kl is not None:
-        if eps is not None:
-            raise KvzError("give eps or target_kl, not both")
-        if not (isinstance(target_kl, (int, float)) and math.isfinite(target_kl) and target_kl > 0):
-            raise KvzError(f"target_kl must be a positive number, got {target_kl!r}")
-        scope = "weighted"
-    elif eps is None:
-        raise KvzError("give the error bound eps (e.g. eps=0.03) or a quality target target_kl")
     from alignpred.codec.frame import check_rope_range
 
     check_rope_range(lay, config)
-    bank = _resolve_bank(bank, lay)
-    w = _tensor_weights(weights, bank, lay) if scope == "weighted" else None
-    if target_kl is not None and w is not None:
-        eps = math.sqrt(target_kl / float(w.sum()))
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and 0 < eps < 1):
-        raise KvzError(f"eps must be a number in (0, 1), got {eps!r}")
+    bank = resolve_bank(bank, lay)
+    w = budget.tensor_weights(lay.tensor_names(), bank)
+    budget = budget.resolved(w)
+    eps, scope = budget.eps, budget.scope
     from alignpred.cache.detect import check_rope
 
     check_rope(lay, bank, cache.tensors)
-    enc = Encoder(lay, bank, config, eps, scope, coder, tensor_cap=tensor_cap, weights=w, threads=threads)
+    enc = Encoder(lay, bank, config, budget, coder, weights=w, threads=threads)
     bank_bytes = bank.to_bytes() if embed_bank else b""
     n_obj = enc.n_obj
     buf = cache.buf
@@ -290,7 +251,6 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
         entries: list[IndexEntry] = []
         state = {"bytes": 0}
         source_metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in cache.metadata.items()}
-        cap = enc.tensor_cap
 
         def read_spool(k, table=where):
             n, off = int(table[k, 1]), int(table[k, 0])
@@ -312,7 +272,7 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
             tiers.append("exact")
 
         def chunks():
-            yield pack_preamble(FLAG_REFINE if lossless else 0, minor=minor_for(lay, config, cap, tiers, scope))
+            yield pack_preamble(FLAG_REFINE if lossless else 0, minor=minor_for(lay, config, budget.scope, tiers))
             off = PREAMBLE_SIZE
             for table, objs in ((where, obs),) + (((rwhere, robs),) if lossless else ()):
                 for k, ob in enumerate(objs):
@@ -326,9 +286,9 @@ def _compress(cache, out, *, eps, bank, scope, config, embed_bank, coder, tensor
                 bank_info["embedded"] = {"offset": off, "length": len(bank_bytes), "crc32": crc32(bank_bytes)}
                 off += len(bank_bytes)
                 yield bank_bytes
-            header = build_header(layout=lay, config=config, eps=eps, scope=scope, tensor_cap=cap, coder=coder,
-                                  bank_info=bank_info, metas=metas, source_metadata=source_metadata, tiers=tiers,
-                                  weights=None if w is None else [float(x) for x in w], target_kl=target_kl)
+            header = build_header(layout=lay, config=config, budget=budget, coder=coder, bank_info=bank_info,
+                                  metas=metas, source_metadata=source_metadata, tiers=tiers,
+                                  weights=None if w is None else [float(x) for x in w])
             hb = dump_header(header)
             ib = b"".join(e.pack() for e in entries)
             ft = Footer(off, len(hb), off + len(hb), len(ib), crc32(hb), crc32(ib))

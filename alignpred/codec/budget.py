@@ -1,0 +1,140 @@
+"""The error budget: one frozen, validated value that the CLI, the writer, the encoder and the
+header all read (eps, scope, tensor cap, tensor weights, target KL).
+
+>>> b = ErrorBudget(eps=0.03)
+>>> b.scope, b.cap
+('tensor', 0.0)
+>>> ErrorBudget(eps=0.03, scope="pooled").cap
+3.0
+>>> ErrorBudget(target_kl=1e-3).scope
+'weighted'
+>>> ErrorBudget(eps=0)
+Traceback (most recent call last):
+...
+alignpred.errors.KvzError: eps must be a number in (0, 1), got 0
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from alignpred.errors import KvzError
+
+__all__ = ["ErrorBudget", "SCOPES", "JOINT", "TENSOR_CAP", "DEFAULT_EPS", "TensorMeta"]
+
+SCOPES = ("object", "tensor", "pooled", "weighted")
+JOINT = ("pooled", "weighted")  # scopes whose budget spans the whole cache
+TENSOR_CAP = 3.0  # joint scopes: default cap of every tensor's NRMSE, in multiples of eps
+DEFAULT_EPS = 0.03  # what `kvz compress` uses when neither --eps nor --target-kl is given
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class ErrorBudget:
+    """What the encoder must meet, measured by decoding.
+
+    ``eps``: the NRMSE bound in every unit of ``scope`` (``object``, ``tensor``, ``pooled`` or
+    ``weighted``). ``tensor_cap``: joint scopes bound every tensor's NRMSE by ``tensor_cap × eps``
+    (0 = no cap; ignored by the other scopes, see :attr:`cap`). ``weights``: the weighted scope's
+    per-tensor weights ``{tensor name: w > 0}`` (None: the bank's sensitivity record).
+    ``target_kl`` instead of ``eps``: a mean next-token KL; it implies the weighted scope and
+    becomes ``eps = sqrt(target_kl / sum w)`` once the weights are known (:meth:`resolved`).
+    """
+
+    eps: float | None = None
+    scope: str = "tensor"
+    tensor_cap: float = TENSOR_CAP
+    weights: dict | None = field(default=None, compare=False)
+    target_kl: float | None = None
+    eps_from_kl: bool = False  # set by resolved(): eps was derived from target_kl
+
+    def __post_init__(self):
+        if self.scope not in SCOPES:
+            raise KvzError(f"unknown eps scope {self.scope!r}; use one of {', '.join(SCOPES)}")
+        if self.target_kl is not None:
+            if self.eps is not None and not self.eps_from_kl:
+                raise KvzError("give eps or target_kl, not both")
+            if not (_number(self.target_kl) and self.target_kl > 0):
+                raise KvzError(f"target_kl must be a positive number, got {self.target_kl!r}")
+            if self.scope != "weighted":
+                object.__setattr__(self, "scope", "weighted")
+        elif self.eps is None:
+            raise KvzError("give the error bound eps (e.g. eps=0.03) or a quality target target_kl")
+        if self.eps is not None and not (_number(self.eps) and 0 < self.eps < 1):
+            raise KvzError(f"eps must be a number in (0, 1), got {self.eps!r}")
+        if not (_number(self.tensor_cap) and (self.tensor_cap == 0 or 1.0 <= self.tensor_cap < 1e6)):
+            raise KvzError(f"tensor_cap must be 0 (no cap) or a number >= 1, got {self.tensor_cap!r}")
+        if self.weights is not None:
+            if self.scope != "weighted":
+                raise KvzError("tensor weights are used by the weighted scope only")
+            if not isinstance(self.weights, dict):
+                raise KvzError("weights must be a mapping {tensor name: positive weight}")
+
+    @classmethod
+    def from_options(cls, eps=None, scope: str | None = None, tensor_cap=None, weights=None, target_kl=None):
+        """The budget of loose options as the CLI and :func:`~alignpred.compress` take them:
+        ``eps`` defaults to :data:`DEFAULT_EPS` when neither it nor ``target_kl`` is given
+        only for the CLI (the library asks for one); ``None`` means the default."""
+        return cls(eps=eps, scope=scope or "tensor", tensor_cap=TENSOR_CAP if tensor_cap is None else tensor_cap,
+                   weights=weights, target_kl=target_kl)
+
+    @property
+    def joint(self) -> bool:
+        return self.scope in JOINT
+
+    @property
+    def cap(self) -> float:
+        """The effective tensor cap (0 for the object and tensor scopes)."""
+        return float(self.tensor_cap) if self.joint else 0.0
+
+    def tensor_weights(self, names, bank) -> np.ndarray | None:
+        """Per-tensor weights in ``names`` order (weighted scope; from the bank's sensitivity
+        record when none were given), or None for the other scopes."""
+        if self.scope != "weighted":
+            return None
+        from alignpred.bank.registry import sensitivity
+
+        weights, src = self.weights, "given"
+        if weights is None:
+            rec = sensitivity(bank.id, bank.model)
+            if rec is None:
+                raise KvzError("the weighted scope and target_kl need tensor weights: pass weights={tensor: w}, or "
+                               "measure them for this bank with `kvz calibrate --sensitivity` or "
+                               f"benchmarks/sensitivity.py (no record for bank {bank.id[:19]}…)")
+            weights, src = rec["tensor_weights"], "bank sensitivity record"
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise KvzError(f"weights ({src}) lack {missing[0]} (and {len(missing) - 1} more)")
+        w = np.array([float(weights[n]) for n in names])
+        if not (np.all(np.isfinite(w)) and np.all(w > 0)):
+            raise KvzError("tensor weights must be positive finite numbers")
+        return w
+
+    def resolved(self, w: np.ndarray | None) -> ErrorBudget:
+        """The budget with ``eps`` known: from ``target_kl`` and the weights ``w`` if asked for a KL."""
+        if self.target_kl is None or self.eps is not None:
+            return self
+        if w is None:
+            raise KvzError("target_kl needs tensor weights")
+        eps = math.sqrt(self.target_kl / float(w.sum()))
+        if not 0 < eps < 1:
+            raise KvzError(f"target_kl {self.target_kl} gives eps {eps:.4g}, outside (0, 1)")
+        return replace(self, eps=eps, eps_from_kl=True)
+
+
+@dataclass
+class TensorMeta:
+    """Per-tensor coding parameters (stored in the file header)."""
+
+    name: str
+    modes: np.ndarray  # uint8 [kv_heads, head_dim]
+    models: np.ndarray  # uint8 [kv_heads * head_dim]
+    sq_err: float = 0.0
+    sq_norm: float = 0.0
+    objects: list = field(default_factory=list, repr=False)
+    refine_models: np.ndarray | None = None  # uint8 [kv_heads * head_dim]: refinement tier's models
