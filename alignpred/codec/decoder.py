@@ -6,6 +6,9 @@ cast to the output dtype or copied out.
 """
 from __future__ import annotations
 
+import threading
+import time
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -21,8 +24,55 @@ from alignpred.kernels.quantize import dequant_add
 from alignpred.kernels.quantize_ref import dequantize_residual
 
 
+class StageTimer:
+    """Decoder instrumentation: wall seconds and calls per stage, summed over every decode that
+    runs with it (thread-safe; threads add their own time, so the sum can exceed the wall time).
+
+    Stages: ``fetch`` (index look-up and CRC of payloads), ``entropy`` (rANS decoding),
+    ``predict`` (base predictions: the exact map products), ``post`` (dequantise, interpolate,
+    frame back, RoPE, cast), ``refine`` (the exact tier of a lossless file).
+
+    >>> from alignpred import DecoderSession, StageTimer
+    >>> timer = StageTimer()
+    >>> session = DecoderSession(timer=timer)     # every KvzReader(..., session=session) reports to it
+    >>> sorted(timer.seconds)
+    ['entropy', 'fetch', 'post', 'predict', 'refine']
+    """
+
+    STAGES = ("fetch", "entropy", "predict", "post", "refine")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self.calls = dict.fromkeys(self.STAGES, 0)
+
+    @contextmanager
+    def stage(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self.seconds[name] += dt
+                self.calls[name] += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            for k in self.STAGES:
+                self.seconds[k], self.calls[k] = 0.0, 0
+
+
+_NO_TIMER = nullcontext()
+
+
 class Decoder(Chain):
-    """Decode objects back to native tensors."""
+    """Decode objects back to native tensors. ``timer``: an optional :class:`StageTimer`."""
+
+    timer: StageTimer | None = None
+
+    def _stage(self, name: str):
+        return _NO_TIMER if self.timer is None else self.timer.stage(name)
 
     def check(self, metas: list) -> None:
         """Reject per-channel modes or model ids a decoder could not honour (corrupt header)."""
@@ -49,7 +99,8 @@ class Decoder(Chain):
         deltas = np.empty(j1 - j0, np.float32)
         zero = np.zeros(j1 - j0, bool)
         for j in range(j0, j1):
-            entry, payload = fetch(ti, j)
+            with self._stage("fetch"):
+                entry, payload = fetch(ti, j)
             a = j * S - start
             if entry.n_tokens != min(S, lay.n_tokens - j * S):
                 raise FormatError(f"{what}: object {j} has the wrong length")
@@ -59,7 +110,8 @@ class Decoder(Chain):
                 zero[j - j0] = True
                 cols[...] = 0
             else:  # straight into its columns of q
-                entropy.decode(payload, models, cols.shape, self.coder, out=cols)
+                with self._stage("entropy"):
+                    entropy.decode(payload, models, cols.shape, self.coder, out=cols)
         return q, deltas, zero
 
     def decode_range(self, metas: list, fetch, j0: int, j1: int, layers=None, out=None, refine_fetch=None):
@@ -94,10 +146,12 @@ class Decoder(Chain):
                 blk = Block(layer, kind, h)
                 plan = self.plans[blk.name]
                 m = meta.modes[h]
-                base = plan.predict(m, recon, n_rows)
+                with self._stage("predict"):
+                    base = plan.predict(m, recon, n_rows)
                 qh = q[h * d:(h + 1) * d]
                 if self.config.arith == "exact":
-                    rec = self._block_exact(base, qh, delta_rows, zr, m, blk, start, dst[h] if emit else None)
+                    with self._stage("post"):
+                        rec = self._block_exact(base, qh, delta_rows, zr, m, blk, start, dst[h] if emit else None)
                     if plan.block in self._last_use:
                         recon[blk.name] = rec
                     self.prune(recon, blk.name)
@@ -119,7 +173,8 @@ class Decoder(Chain):
                 self.prune(recon, blk.name)
             if emit:
                 if refine_fetch is not None:
-                    self._refine(dst, meta, refine_fetch, ti, j0, j1)
+                    with self._stage("refine"):
+                        self._refine(dst, meta, refine_fetch, ti, j0, j1)
                 yield ti, meta.name, dst
 
     def _block_exact(self, base, qh, delta_rows, zr, modes, blk, start: int, dst):

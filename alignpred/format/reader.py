@@ -192,6 +192,13 @@ class KvzReader:
         return bank
 
     @property
+    def source_metadata(self) -> dict:
+        """The metadata of the cache the file was written from (strings, as in a safetensors
+        header: ``keys_roped``, ``rope``, ``layer_types``, ``position_offset``, the model's own
+        fields; token ids are not kept), a copy."""
+        return dict(self.header.get("source_metadata", {}))
+
+    @property
     def decoder(self) -> Decoder:
         if self._decoder is None:
             bank = self._resolve_bank()
@@ -445,7 +452,7 @@ class KvzReader:
     def _slice_metadata(self, start: int, sel: list) -> dict:
         """The source metadata, adjusted for a decoded subset: per-layer lists cut to the layers
         kept, and the RoPE position offset moved to the first token kept."""
-        meta = dict(self.header.get("source_metadata", {}))
+        meta = self.source_metadata
         lay = self.layout
         keep = list(sel)
         for key in ("layer_types", "rope_theta"):

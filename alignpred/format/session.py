@@ -23,8 +23,9 @@ class DecoderSession:
     ``banks``: banks to use by id before the registry is asked (e.g. one loaded once).
     """
 
-    def __init__(self, banks=(), max_plans: int = 8):
+    def __init__(self, banks=(), max_plans: int = 8, timer=None):
         self.banks = BankRegistry(banks)
+        self.timer = timer  # a StageTimer: per-stage decode timings of every reader of this session
         self._plans: OrderedDict = OrderedDict()
         self.max_plans = max_plans
         self.plans_built = 0
@@ -42,13 +43,16 @@ class DecoderSession:
         if plans is None:
             check_bank(bank, layout, config)
             dec = Decoder(layout, bank, config, coder)
+            dec.timer = self.timer
             self.plans_built += 1
             self._plans[key] = dec.plans
             while len(self._plans) > self.max_plans:
                 self._plans.popitem(last=False)
             return dec
         self._plans.move_to_end(key)
-        return Decoder(layout, bank, config, coder, plans=plans)
+        dec = Decoder(layout, bank, config, coder, plans=plans)
+        dec.timer = self.timer
+        return dec
 
 
 DEFAULT_SESSION = DecoderSession()
