@@ -1,0 +1,36 @@
+"""The command line every benchmark shares: one argparse builder for the common flags (``--quick``,
+``--json OUT``, ``--out``, ``-q``, cache paths) and the command line as it is recorded in results."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+
+def parser(doc: str | None, *, caches: str | None = None, quick: str | None = None, json: str | None = None,
+           json_default=None, out: str | None = None, out_default=None, quiet: bool = False,
+           prog: str | None = None) -> argparse.ArgumentParser:
+    """An :class:`argparse.ArgumentParser` described by the first paragraph of ``doc`` (the module
+    docstring, shown whole as the epilog), with the common flags whose help text is given:
+    ``caches`` (positional cache paths), ``quick`` (``--quick``), ``json`` (``--json OUT``), ``out``
+    (``--out``), ``quiet`` (``-q/--quiet``)."""
+    doc = doc or ""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    if caches is not None:
+        ap.add_argument("caches", nargs="*", help=caches)
+    if quick is not None:
+        ap.add_argument("--quick", action="store_true", help=quick)
+    if json is not None:
+        ap.add_argument("--json", default=json_default, metavar="OUT", help=json)
+    if out is not None:
+        ap.add_argument("--out", default=out_default, help=out)
+    if quiet:
+        ap.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    return ap
+
+
+def command_line(module: str, argv=None) -> str:
+    """``python -m kvz.benchmarks.<module> ARGS`` as typed (``argv`` default: this process's)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python", "-m", f"kvz.benchmarks.{module}", *(shlex.quote(str(x)) for x in args)])
