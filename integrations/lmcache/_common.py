@@ -1,0 +1,168 @@
+"""LMCache-side helpers of the kvz adapters: configuration from LMCache's ``extra_config``, the
+``KV_2LTD`` chunk tensor <-> per-layer ``(k, v)`` views, the on-store record of a chunk."""
+from __future__ import annotations
+
+import json
+import struct
+import warnings
+
+import numpy as np
+
+from .kvcodec import KvzChunkCodec, as_numpy, metadata_from_file, model_metadata
+
+CODEC_KEYS = ("bank", "eps", "scope", "lossless", "metadata", "metadata_from", "position", "max_positions", "threads")
+
+
+class KvzLMCacheWarning(RuntimeWarning):
+    """A kvz tier answered a miss instead of failing a request (store down, corrupt entry)."""
+
+
+def warn(msg: str) -> None:
+    warnings.warn(msg, KvzLMCacheWarning, stacklevel=3)
+    try:
+        from lmcache.logging import init_logger
+
+        init_logger("kvz.integrations.lmcache").warning(msg)
+    except Exception:  # pragma: no cover - logging must never fail a request
+        pass
+
+
+def _bool(v) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+def plugin_name(config, kind: str, cls) -> str:
+    """The name this class was configured under (``storage_plugin.<name>.class_name`` /
+    ``remote_storage_plugin.<name>.class_name``): LMCache does not pass it to the constructor."""
+    extra = getattr(config, "extra_config", None) or {}
+    names = (config.storage_plugins if kind == "storage_plugin" else config.remote_storage_plugins) or []
+    for n in names:
+        if extra.get(f"{kind}.{n}.class_name") == cls.__name__:
+            return n
+    raise ValueError(f"{cls.__name__}: no {kind}.<name>.class_name = {cls.__name__} in extra_config "
+                     f"(configured {kind}s: {list(names)})")
+
+
+def options(config, prefix: str) -> dict:
+    """``extra_config`` values under ``prefix.`` (``storage_plugin.kvz.eps`` -> ``eps``), falling back to
+    global ``kvz.<key>`` values."""
+    extra = getattr(config, "extra_config", None) or {}
+    out = {k[len("kvz."):]: v for k, v in extra.items() if k.startswith("kvz.")}
+    out.update({k[len(prefix) + 1:]: v for k, v in extra.items() if k.startswith(prefix + ".")})
+    return out
+
+
+def codec_from_options(opts: dict, *, default_step: int | None = None) -> KvzChunkCodec:
+    meta = opts.get("metadata")
+    if meta is None and opts.get("metadata_from"):
+        meta = metadata_from_file(opts["metadata_from"])
+    if meta is None:
+        raise ValueError("kvz needs the model's cache metadata: set <prefix>.metadata (JSON with rope_theta, "
+                         "rope_pairing, keys_roped, layer_types, model) or <prefix>.metadata_from (a kvz-cache file)")
+    threads = opts.get("threads", 1)
+    return KvzChunkCodec(bank=opts.get("bank", "gemma-3-270m"), eps=float(opts.get("eps", 0.0267)),
+                         scope=str(opts.get("scope", "tensor")), lossless=_bool(opts.get("lossless", False)),
+                         cache_metadata=model_metadata(meta), position=str(opts.get("position", "search")),
+                         search_step=int(opts.get("search_step", default_step or 1)),
+                         max_positions=int(opts.get("max_positions", 8192)),
+                         threads=None if threads in (None, "auto") else int(threads))
+
+
+# ---------------------------------------------------------------------------- chunk tensors
+def kv_pairs(t, num_heads: int) -> list:
+    """Per-layer ``(k, v)`` numpy views ``[H, T, D]`` of a ``KV_2LTD`` tensor ``[2, L, T, H*D]``."""
+    a = as_numpy(t)
+    two, L, T, HD = a.shape
+    if two != 2 or HD % num_heads:
+        raise ValueError(f"expected a KV_2LTD chunk [2, L, T, H*D] with H={num_heads}, got {tuple(a.shape)}")
+    a = a.reshape(2, L, T, num_heads, HD // num_heads)
+    return [(a[0, i].transpose(1, 0, 2), a[1, i].transpose(1, 0, 2)) for i in range(L)]
+
+
+def write_pairs(t, pairs) -> None:
+    """Copy per-layer ``(k, v)`` ``[H, T, D]`` into a ``KV_2LTD`` torch tensor (in place)."""
+    import torch
+
+    for i, (k, v) in enumerate(pairs):
+        for j, x in ((0, k), (1, v)):
+            x = np.asarray(x)
+            H, T, D = x.shape
+            src = torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2)).reshape(T, H * D).view(np.uint16)
+                                   if x.dtype.name == "bfloat16" else
+                                   np.ascontiguousarray(x.transpose(1, 0, 2)).reshape(T, H * D))
+            if x.dtype.name == "bfloat16":
+                src = src.view(torch.bfloat16)
+            t[j, i].copy_(src.to(t.dtype))
+
+
+def num_heads_of(metadata) -> int:
+    return int(metadata.kv_shape[3])
+
+
+# ---------------------------------------------------------------------------- stored records
+# A record: magic, JSON length, JSON {shape, dtype, fmt}, then the .kvz blob.
+MAGIC = b"KVZLMC1\0"
+
+
+def pack(blob: bytes, shape, dtype, fmt) -> bytes:
+    head = json.dumps({"shape": [int(s) for s in shape], "dtype": str(dtype).replace("torch.", ""),
+                       "fmt": getattr(fmt, "name", str(fmt))}, separators=(",", ":")).encode()
+    return MAGIC + struct.pack("<I", len(head)) + head + bytes(blob)
+
+
+def unpack(buf) -> tuple[dict, memoryview]:
+    mv = memoryview(buf)
+    if len(mv) < 12 or bytes(mv[:8]) != MAGIC:
+        raise ValueError("not a kvz LMCache record (bad magic)")
+    (n,) = struct.unpack_from("<I", mv, 8)
+    if 12 + n > len(mv):
+        raise ValueError("kvz LMCache record truncated")
+    head = json.loads(bytes(mv[12:12 + n]))
+    return head, mv[12 + n:]
+
+
+def torch_dtype(name: str):
+    import torch
+
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a kvz record")
+    return dt
+
+
+def memory_format(name: str):
+    from lmcache.v1.memory_management import MemoryFormat
+
+    return MemoryFormat[name]
+
+
+class BackendReader:
+    """``get`` on a :class:`~kvz.integrations.kvstore.ChunkBackend` that turns every failure into a miss
+    and warns when the backend dropped a corrupt entry (the backend itself only counts those)."""
+
+    def __init__(self, backend, what: str):
+        self.backend, self.what = backend, what
+        self._dropped = None
+
+    def _corrupt_count(self) -> int:
+        try:
+            return int(self.backend.stats().get("corrupt_dropped", 0))
+        except Exception:
+            return 0
+
+    def get(self, key: str):
+        if self._dropped is None:
+            self._dropped = self._corrupt_count()
+        try:
+            rec = self.backend.get(key)
+        except Exception as e:
+            warn(f"{self.what}: get failed ({type(e).__name__}: {e}); treated as a miss")
+            return None
+        if rec is None:
+            n = self._corrupt_count()
+            if n > self._dropped:
+                warn(f"{self.what}: entry {key[:60]} failed its checksum; deleted, a miss")
+            self._dropped = n
+        return rec

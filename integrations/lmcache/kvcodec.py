@@ -1,0 +1,182 @@
+"""One chunk of a serving engine's KV as one ``.kvz`` blob, shared by the LMCache and SGLang adapters.
+
+Engines hand over a chunk (LMCache) or a page (SGLang) of every layer at once; this module turns
+per-layer ``(key, value)`` arrays ``[kv_heads, tokens, head_dim]`` into a ``.kvz`` file and back,
+with the model's cache metadata (layer types, RoPE thetas, pairing, ``keys_roped``) configured
+once, and the chunk's token position either given by the caller or found by
+:func:`kvz.integrations.lmcache.position.find_position_offset` (recorded in the file either way:
+``position_offset`` and ``kvz.position_source`` = ``caller`` | ``search``).
+
+::
+
+    codec = KvzChunkCodec(bank="gemma-3-270m", eps=0.0267, cache_metadata=metadata_from_file(sample))
+    blob = codec.encode(pairs, position_offset=None)      # None: the phase is searched
+    pairs2, meta = codec.decode(blob)                      # the stored dtype; meta["position_offset"]
+
+Nothing here imports an engine; errors are :class:`alignpred.KvzError` (corrupt blobs) or
+``ValueError`` (configuration).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["KvzChunkCodec", "as_numpy", "metadata_from_file", "model_metadata", "MODEL_FIELDS", "nrmse"]
+
+# The cache metadata fields that describe the model (not one cache): what an adapter configures once.
+MODEL_FIELDS = ("model", "layer_types", "rope_theta", "rope_pairing", "keys_roped", "rope", "rotary_dim",
+                "rope_scaling", "partial_rotary_factor", "attention_scaling")
+POSITION_MODES = ("search", "zero")
+
+
+def model_metadata(meta) -> dict:
+    """The model fields of a cache's metadata (a dict or a JSON string); everything else (token ids,
+    source, position) is dropped."""
+    if isinstance(meta, (str, bytes)):
+        meta = json.loads(meta)
+    if not isinstance(meta, dict):
+        raise ValueError("cache metadata must be a dict (or its JSON)")
+    return {k: v for k, v in meta.items() if k in MODEL_FIELDS}
+
+
+def metadata_from_file(path) -> dict:
+    """The model fields of a kvz-cache safetensors file (e.g. one captured with ``kvz capture``)."""
+    from alignpred import load_cache
+
+    return model_metadata(load_cache(path).metadata)
+
+
+def as_numpy(x) -> np.ndarray:
+    """A numpy view of a numpy array or CPU torch tensor (bfloat16 through its int16 bits)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.split(".")[0] == "torch":
+        t = x.detach()
+        if t.device.type != "cpu":
+            raise ValueError(f"tensor is on {t.device}; copy it to the CPU first")
+        if str(t.dtype) == "torch.bfloat16":
+            import ml_dtypes
+            import torch
+
+            return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    return np.asarray(x)
+
+
+def nrmse(ref, got) -> float:
+    """Normalised RMS error ``||got - ref|| / ||ref||`` (kvz's tensor error measure)."""
+    r = np.asarray(ref, np.float64)
+    g = np.asarray(got, np.float64)
+    den = float(np.sqrt(np.mean(r * r)))
+    return float(np.sqrt(np.mean((g - r) ** 2))) / den if den > 0 else float(np.sqrt(np.mean(g * g)))
+
+
+@dataclass
+class KvzChunkCodec:
+    """Encode/decode one chunk (every layer) as a ``.kvz`` blob.
+
+    ``bank``: a registry name, path or :class:`alignpred.Bank`; ``eps`` and ``scope`` as in
+    :func:`alignpred.compress`; ``lossless`` adds the exact tier (bit-exact decode).
+    ``cache_metadata``: the model fields (see :func:`model_metadata`). ``position``: what to do when
+    the caller gives no position — ``"search"`` (default: :func:`find_position_offset` over
+    ``search_step``-aligned offsets below ``max_positions``) or ``"zero"``.
+    """
+
+    bank: object = "gemma-3-270m"
+    eps: float = 0.0267
+    scope: str = "tensor"
+    lossless: bool = False
+    cache_metadata: dict = field(default_factory=dict)
+    position: str = "search"
+    search_step: int | None = None
+    max_positions: int = 8192
+    threads: int | None = 1
+    stats: dict = field(default_factory=lambda: {"encoded": 0, "decoded": 0, "searched": 0,
+                                                 "encode_s": 0.0, "decode_s": 0.0, "search_s": 0.0,
+                                                 "raw_bytes": 0, "stored_bytes": 0})
+
+    def __post_init__(self):
+        if self.position not in POSITION_MODES:
+            raise ValueError(f"kvz position mode must be one of {POSITION_MODES}, got {self.position!r}")
+        self.eps = float(self.eps)
+        if not (self.eps > 0):
+            raise ValueError(f"kvz eps must be positive, got {self.eps}")
+        self.cache_metadata = model_metadata(self.cache_metadata or {})
+
+    # ------------------------------------------------------------------ encode
+    def tensors(self, pairs) -> dict:
+        """``{"layers.{i}.key"/"value": array}`` from ``[(k, v), ...]`` (numpy or CPU torch)."""
+        out = {}
+        for i, (k, v) in enumerate(pairs):
+            out[f"layers.{i}.key"] = np.ascontiguousarray(as_numpy(k))
+            out[f"layers.{i}.value"] = np.ascontiguousarray(as_numpy(v))
+        return out
+
+    def find_offset(self, tensors: dict, step: int | None = None) -> int:
+        from .position import find_position_offset
+
+        t0 = time.perf_counter()
+        g = find_position_offset(tensors, self.cache_metadata, bank=self.bank, step=step or self.search_step or 1,
+                                 max_positions=self.max_positions)
+        self.stats["searched"] += 1
+        self.stats["search_s"] += time.perf_counter() - t0
+        return g.offset
+
+    def encode(self, pairs, position_offset: int | None = None, *, step: int | None = None,
+               extra: dict | None = None) -> bytes:
+        """The ``.kvz`` bytes of one chunk. ``position_offset``: the chunk's first token position, or
+        None (position-blind caller: searched, or 0 with ``position="zero"``); ``step``: the search
+        grid (chunk-aligned callers pass their chunk size)."""
+        from alignpred import Cache, compress
+
+        tensors = pairs if isinstance(pairs, dict) else self.tensors(pairs)
+        source = "caller"
+        if position_offset is None:
+            if self.position == "search" and self.cache_metadata.get("keys_roped") in (True, "true", "True"):
+                position_offset = self.find_offset(tensors, step)
+                source = "search"
+            else:
+                position_offset, source = 0, "zero"
+        meta = dict(self.cache_metadata, position_offset=int(position_offset))
+        meta["kvz.position_source"] = source
+        if extra:
+            meta.update({str(k): (v if isinstance(v, str) else json.dumps(v)) for k, v in extra.items()})
+        t0 = time.perf_counter()
+        info = compress(Cache.from_arrays(tensors, meta), None, eps=self.eps, bank=self.bank, scope=self.scope,
+                        lossless=self.lossless, threads=self.threads)
+        self.stats["encode_s"] += time.perf_counter() - t0
+        self.stats["encoded"] += 1
+        self.stats["raw_bytes"] += sum(a.nbytes for a in tensors.values())
+        self.stats["stored_bytes"] += len(info.data)
+        return info.data
+
+    # ------------------------------------------------------------------ decode
+    def reader(self, blob):
+        from alignpred import KvzReader
+
+        return KvzReader(memoryview(blob), bank=self.bank, threads=self.threads)
+
+    def decode(self, blob) -> tuple[list, dict]:
+        """``([(k, v), ...], source metadata)`` in the stored dtype."""
+        t0 = time.perf_counter()
+        r = self.reader(blob)
+        t = r.read()
+        n = len(t) // 2
+        pairs = [(t[f"layers.{i}.key"], t[f"layers.{i}.value"]) for i in range(n)]
+        self.stats["decode_s"] += time.perf_counter() - t0
+        self.stats["decoded"] += 1
+        return pairs, dict(r.header.get("source_metadata", {}))
+
+    def decode_into(self, blob, out) -> dict:
+        """Decode every layer into ``out(layer) -> (k_buf, v_buf)`` (numpy or CPU torch, the
+        stored shape ``[kv_heads, tokens, head_dim]``); returns the source metadata."""
+        t0 = time.perf_counter()
+        r = self.reader(blob)
+        for _ in r.layers(out=out):
+            pass
+        self.stats["decode_s"] += time.perf_counter() - t0
+        self.stats["decoded"] += 1
+        return dict(r.header.get("source_metadata", {}))
