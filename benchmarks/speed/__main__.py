@@ -1,0 +1,4 @@
+"""``python -m kvz.benchmarks.speed``."""
+from .main import main
+
+main()

@@ -1,0 +1,115 @@
+"""Section 7: a cProfile of one single-thread decode, and how fast one thread could decode if
+everything but the exact map products were free (the decoder's own stage timer, no patching)."""
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import time
+
+import numpy as np
+
+from ..harness import ROOT
+from .codecs import KvzCodec
+
+
+def profile_decode(codec: KvzCodec, top: int = 15) -> dict:
+    """cProfile of one single-thread ``read()``: the functions with the most own time."""
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    codec.decode(1)
+    pr.disable()
+    wall = time.perf_counter() - t0
+    st = pstats.Stats(pr, stream=io.StringIO())
+    total = st.total_tt  # type: ignore[attr-defined]
+    entries = []
+    for (fname, line, func), (_, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+        short = os.path.relpath(fname, ROOT) if fname.startswith(ROOT) else os.path.basename(fname)
+        entries.append({"function": f"{short}:{line}({func})", "calls": nc, "own_s": tt, "cum_s": ct,
+                        "own_share": tt / total if total else 0.0})
+    entries.sort(key=lambda e: -e["own_s"])
+    cum = sorted(entries, key=lambda e: -e["cum_s"])
+    return {"wall_s_profiled": wall, "total_own_s": total, "top_own": entries[:top],
+            "top_cumulative": [e for e in cum if "alignpred" in e["function"]][:top]}
+
+
+def map_shapes(layout, bank) -> list[tuple[int, int, int, int]]:
+    """``(sources, rows, d_in padded, d_out padded)`` of every exact map product a whole-file read of
+    ``layout`` runs with ``bank`` (the factored maps' second product included), from the bank's maps
+    prepared as the decoder prepares them (:class:`alignpred.kernels.IntMap`)."""
+    from alignpred.kernels import IntMap
+
+    shapes = []
+    for blk in layout.blocks():
+        srcs = bank.sources(blk.name)
+        f = bank.map_factors(blk.name)
+        if f is None or not srcs:
+            continue
+        u, vt = f
+        for w, n_src in ((u, len(srcs)), (vt, 1)):
+            if w is not None:
+                m = IntMap(np.asarray(w, np.float32), n_src)
+                shapes.append((n_src, layout.n_tokens, 2 * m.wp.shape[1], -(-m.d_out // 16) * 16))
+    return shapes
+
+
+def bound_section(codec: KvzCodec, reps: int = 5) -> dict:
+    """How fast a one-thread decode can be with exact map products on this core.
+
+    One single-thread ``read()`` runs ``reps`` times with a :class:`alignpred.StageTimer` on its
+    session; its ``predict`` stage (quantising the sources and the exact integer map products) is
+    the map products' time, and their multiply-adds are counted from the bank's maps
+    (``sources x d_in x d_out`` per row, padding included, :func:`map_shapes`). Next to them, in the
+    same process, torch's bf16 GEMM on the same shapes (oneDNN, one thread; ``vdpbf16ps``/AMX where
+    the CPU has them) is the reference for the core's dot-product peak. The bound: the read's
+    values / (its multiply-adds / peak rate) is the values/s a decode would reach if everything but
+    the map products were free."""
+    from alignpred import DecoderSession, KvzReader, StageTimer
+
+    timer = StageTimer()
+    session = DecoderSession(timer=timer)
+    walls = []
+    arrays: dict = {}
+    for _ in range(reps):
+        timer.reset()
+        t0 = time.perf_counter()
+        arrays = KvzReader(codec.data, bank=codec.bank, session=session, threads=1).read()
+        walls.append((time.perf_counter() - t0, timer.seconds["predict"]))
+    shapes = map_shapes(codec.cache.layout, codec.bank)
+    n_values = sum(np.asarray(a).size for a in arrays.values())
+    macs = sum(S * n * K2 * m for S, n, K2, m in shapes)
+    wall, t_maps = sorted(walls)[len(walls) // 2]
+    out = {"values": n_values, "macs": macs, "macs_per_value": macs / n_values, "read_s": wall,
+           "map_products_s": t_maps, "kernel_gmacs": macs / t_maps / 1e9, "map_share": t_maps / wall,
+           "rest_s": wall - t_maps, "rest_ns_per_value": (wall - t_maps) / n_values * 1e9,
+           "shapes": sorted(set(shapes)), "stage_s": dict(timer.seconds)}
+    try:
+        import torch
+    except ImportError:
+        out["bf16_reference"] = None
+        return out
+    nt = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = 0.0
+        for S, n, K2, m in out["shapes"]:
+            a = torch.randn(n, S * K2).to(torch.bfloat16)
+            b = torch.randn(S * K2, m).to(torch.bfloat16)
+            a @ b
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    a @ b
+                ts.append((time.perf_counter() - t0) / 5)
+            best = max(best, n * S * K2 * m / min(ts) / 1e9)
+    finally:
+        torch.set_num_threads(nt)
+    out["bf16_reference"] = {"gmacs": best, "torch": torch.__version__}
+    peak = max(best, out["kernel_gmacs"])
+    out["peak_gmacs"] = peak
+    out["map_floor_s"] = macs / (peak * 1e9)
+    out["max_vps_maps_only"] = n_values / out["map_floor_s"]
+    return out
