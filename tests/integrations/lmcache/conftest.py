@@ -92,3 +92,10 @@ def quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         yield
+
+
+@pytest.fixture
+def redis_server():
+    from kvz.integrations.kvstore.server import redis_server_fixture
+
+    yield from redis_server_fixture()

@@ -1,0 +1,140 @@
+"""kvz as an LMCache remote connector: chunks coded as ``.kvz`` in a kvz chunk-store backend
+(:class:`~kvz.integrations.kvstore.RedisBackend` or :class:`~kvz.integrations.kvstore.DirectoryBackend`).
+
+LMCache configuration::
+
+    remote_storage_plugins: ["kvzr"]
+    remote_serde: naive                     # kvz compresses; LMCache's own serde stays the identity
+    extra_config:
+      remote_storage_plugin.kvzr.module_path: kvz.integrations.lmcache
+      remote_storage_plugin.kvzr.class_name: KvzRemoteConnector
+      remote_storage_plugin.kvzr.url: redis://10.0.0.5:6379/0    # or file:///shared/kvz, or a directory
+      remote_storage_plugin.kvzr.max_size_gb: 200                # optional budget (LRU eviction)
+      remote_storage_plugin.kvzr.eps: 0.0267
+      remote_storage_plugin.kvzr.bank: gemma-3-270m
+      remote_storage_plugin.kvzr.metadata_from: /path/cache.safetensors
+
+LMCache builds it as ``cls(loop=, local_cpu_backend=, config=)`` (no plugin name: it is found from the
+config by class name). Encode and decode run in the event loop's executor. Entries are checksummed
+by the backend; a store that is down or an entry that is corrupt is a miss and a warning.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from . import _common as C
+
+__all__ = ["KvzRemoteConnector", "backend_from_url"]
+
+
+def backend_from_url(url: str, budget_bytes: int | None = None):
+    from kvz.integrations.kvstore import DirectoryBackend, RedisBackend
+
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisBackend(url, budget_bytes=budget_bytes)
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    return DirectoryBackend(url, budget_bytes=budget_bytes)
+
+
+class KvzRemoteConnector(RemoteConnector):
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend, config, backend=None):
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        meta = local_cpu_backend.metadata
+        if getattr(meta, "use_mla", False):
+            raise ValueError("KvzRemoteConnector stores KV_2LTD chunks: MLA is not supported")
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.config = config
+        self.name = C.plugin_name(config, "remote_storage_plugin", type(self))
+        opts = C.options(config, f"remote_storage_plugin.{self.name}")
+        self.chunk_size = int(meta.chunk_size)
+        self.codec = C.codec_from_options(opts, default_step=self.chunk_size)
+        self.num_heads = C.num_heads_of(meta)
+        if backend is None:
+            url = opts.get("url")
+            if not url:
+                raise ValueError(f"set remote_storage_plugin.{self.name}.url (redis://host:port/db or a directory)")
+            gb = opts.get("max_size_gb")
+            backend = backend_from_url(str(url), int(float(gb) * (1 << 30)) if gb else None)
+        self.backend = backend
+        self._reader = C.BackendReader(backend, f"kvz remote connector {self.name}")
+
+    def __repr__(self):
+        return f"<KvzRemoteConnector {self.name} {self.backend!r}>"
+
+    # ------------------------------------------------------------------ sync helpers
+    def exists_sync(self, key) -> bool:
+        try:
+            return bool(self.backend.contains(key.to_string()))
+        except Exception as e:
+            C.warn(f"kvz remote connector: contains failed ({e}); a miss")
+            return False
+
+    def _put_sync(self, key, memory_obj) -> None:
+        t = memory_obj.tensor
+        blob = self.codec.encode(C.kv_pairs(t, self.num_heads), None, step=self.chunk_size)
+        rec = C.pack(blob, t.shape, t.dtype, memory_obj.get_memory_format())
+        if not self.backend.put(key.to_string(), rec, meta={"tokens": int(t.shape[2])}):
+            C.warn(f"kvz remote connector: put of {key.to_string()[:60]} refused or failed; not stored")
+
+    def _get_sync(self, key):
+        k = key.to_string()
+        rec = self._reader.get(k)
+        if rec is None:
+            return None
+        obj = None
+        try:
+            head, blob = C.unpack(rec)
+            obj = self.local_cpu_backend.allocate([torch.Size(head["shape"])], [C.torch_dtype(head["dtype"])],
+                                                  C.memory_format(head["fmt"]))
+            if obj is None:
+                C.warn("kvz remote connector: no CPU buffer for a hit; a miss")
+                return None
+            pairs, _ = self.codec.decode(blob)
+            C.write_pairs(obj.tensor, pairs)
+            return obj
+        except Exception as e:
+            C.warn(f"kvz remote connector: entry {k[:60]} is corrupt ({type(e).__name__}: {e}); deleted, a miss")
+            if obj is not None:
+                obj.ref_count_down()
+            try:
+                self.backend.delete(k)
+            except Exception:
+                pass
+            return None
+
+    # ------------------------------------------------------------------ RemoteConnector
+    async def exists(self, key) -> bool:
+        return self.exists_sync(key)
+
+    async def get(self, key):
+        return await self.loop.run_in_executor(None, self._get_sync, key)
+
+    async def put(self, key, memory_obj):
+        try:
+            await self.loop.run_in_executor(None, self._put_sync, key, memory_obj)
+        except Exception as e:
+            C.warn(f"kvz remote connector: encoding failed ({type(e).__name__}: {e}); not stored")
+
+    async def list(self):
+        try:
+            return list(self.backend.keys())
+        except Exception as e:
+            C.warn(f"kvz remote connector: list failed ({e})")
+            return []
+
+    def remove_sync(self, key) -> bool:
+        try:
+            return bool(self.backend.delete(key.to_string()))
+        except Exception:
+            return False
+
+    async def close(self):
+        try:
+            self.backend.close()
+        except Exception:
+            pass

@@ -1,0 +1,134 @@
+"""kvz's LMCache remote connector (kvz over the chunk store's Redis and directory backends), through
+LMCache's StorageManager / RemoteBackend and LMCacheEngine, on real Gemma 3 KV."""
+import time
+import warnings
+
+import pytest
+
+pytest.importorskip("lmcache")
+import torch  # noqa: E402
+from conftest import EPS, D, H, L, chunk_errors, kvz_extra, lm_config, lm_metadata  # noqa: E402
+
+CONN = {"remote_storage_plugin.kvzr.module_path": "kvz.integrations.lmcache",
+        "remote_storage_plugin.kvzr.class_name": "KvzRemoteConnector"}
+
+
+def remote_config(url, chunk_size=256, **kw):
+    extra = dict(CONN, **kvz_extra("remote_storage_plugin.kvzr", url=url, **kw))
+    return lm_config(chunk_size, extra_config=extra, remote_storage_plugins=["kvzr"], remote_serde="naive")
+
+
+def key(i):
+    from lmcache.utils import CacheEngineKey
+
+    return CacheEngineKey(model_name="gemma-3-270m", world_size=1, worker_id=0, chunk_hash=i, dtype=torch.bfloat16)
+
+
+def put_chunk(sm, kv, k, a, b):
+    from lmcache.v1.memory_management import MemoryFormat
+
+    obj = sm.allocate(torch.Size([2, L, b - a, H * D]), torch.bfloat16, fmt=MemoryFormat.KV_2LTD)
+    for i in range(L):
+        obj.tensor[:, i].copy_(kv[i][:, a:b].reshape(2, b - a, H * D))
+    sm.batched_put([k], [obj])
+    obj.ref_count_down()
+
+
+def wait_stored(remote, k, timeout=120):
+    t0 = time.time()
+    while remote.exists_in_put_tasks(k) or not remote.contains(k):
+        if time.time() - t0 > timeout:
+            raise TimeoutError("put did not land")
+        time.sleep(0.05)
+
+
+def storage_manager(cfg, chunk_size=256):
+    from lmcache.v1.event_manager import EventManager
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+    return StorageManager(config=cfg, metadata=lm_metadata(chunk_size), event_manager=EventManager())
+
+
+@pytest.mark.parametrize("store", ["directory", "redis"])
+def test_storage_manager_remote_roundtrip(tmp_path, sample, store, request):
+    if store == "redis":
+        url = request.getfixturevalue("redis_server").url
+    else:
+        url = "file://" + str(tmp_path / "remote")
+    _, kv = sample
+    sm = storage_manager(remote_config(url))
+    try:
+        remote = sm.storage_backends["RemoteBackend-kvzr"]
+        k = key(42)
+        put_chunk(sm, kv, k, 192, 448)  # a chunk at position 192 (the sample's last 256 tokens)
+        wait_stored(remote, k)
+        sm.storage_backends["LocalCPUBackend"].remove(k)
+        got = sm.get(k)
+        assert got is not None
+        out = [got.tensor[:, i].reshape(2, 256, H, D) for i in range(L)]
+        assert chunk_errors([x[:, 192:448] for x in kv], out, 0, 256) <= EPS
+    finally:
+        sm.close()
+
+
+def test_engine_store_retrieve_over_redis(sample, redis_server):
+    from kvz.integrations.lmcache import CPUBufferConnector
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    ids, kv = sample
+    cfg = remote_config(redis_server.url, lossless=True)
+    cfg.local_cpu = False
+    name = "kvz-remote-engine"
+    engine = LMCacheEngineBuilder.get_or_create(name, cfg, lm_metadata(), CPUBufferConnector(L, H, D, 256),
+                                                lambda t, s: None, lambda o, s: o)
+    try:
+        engine.post_init()
+        tokens = torch.tensor(ids, dtype=torch.long)
+        engine.store(tokens, kvcaches=kv)
+        t0 = time.time()
+        while engine.lookup(tokens) < 256:
+            assert time.time() - t0 < 120
+            time.sleep(0.05)
+        out = [torch.zeros_like(x) for x in kv]
+        mask = engine.retrieve(tokens, kvcaches=out)
+        assert int(mask.sum()) == 256
+        assert all(torch.equal(a[:, :256], b[:, :256]) for a, b in zip(kv, out))  # lossless: bit-exact
+    finally:
+        LMCacheEngineBuilder.destroy(name)
+
+
+def test_store_down_and_corrupt_entry_are_misses(sample, redis_server):
+    import redis
+    from kvz.integrations.lmcache import KvzRemoteConnector
+
+    _, kv = sample
+    sm = storage_manager(remote_config(redis_server.url))
+    try:
+        remote = sm.storage_backends["RemoteBackend-kvzr"]
+        k = key(5)
+        put_chunk(sm, kv, k, 0, 256)
+        wait_stored(remote, k)
+        sm.storage_backends["LocalCPUBackend"].remove(k)
+        conn = KvzRemoteConnector(sm.loop if hasattr(sm, "loop") else None, sm.storage_backends["LocalCPUBackend"],
+                                  sm.config if hasattr(sm, "config") else remote.config)
+        # corrupt the stored entry in Redis: a miss and a warning, the entry is gone
+        r = redis.Redis.from_url(redis_server.url)
+        rk = conn.backend.entry_key(k.to_string())
+        data = bytearray(r.get(rk))
+        data[len(data) // 2] ^= 0xFF
+        r.set(rk, bytes(data))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert conn._get_sync(k) is None
+        assert w and not conn.exists_sync(k)
+        # the server goes away: contains/get are misses with a warning, nothing raises
+        put_chunk(sm, kv, key(6), 0, 256)
+        wait_stored(remote, key(6))
+        redis_server.stop()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert conn._get_sync(key(6)) is None
+            assert conn.exists_sync(key(6)) is False
+        assert w
+    finally:
+        sm.close()
