@@ -19,8 +19,8 @@ def check_rope_range(layout, config) -> None:
     halfway through a decode."""
     if not (layout.keys_roped and config.rope_undo) or (layout.rope is None and config.arith == "float"):
         return
-    from alignpred.cache.rope import _ANGLE_LIMIT
     from alignpred.errors import LayoutError
+    from alignpred.kernels.sincos import ANGLE_LIMIT as _ANGLE_LIMIT
 
     last = np.float32(layout.position_offset + max(layout.n_tokens, 1) - 1)
     for t in layout.rope_spec.tables:

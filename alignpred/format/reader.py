@@ -30,12 +30,12 @@ from alignpred.bank.bank import Bank
 from alignpred.bank.registry import resolve_bank
 from alignpred.cache.arrays import as_numpy
 from alignpred.cache.layout import CacheLayout, numpy_dtype
-from alignpred.codec.chain import OBJ_REFINE, OBJ_ZERO
 from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
 from alignpred.errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError
-from alignpred.format.container import ENTRY_SIZE, FLAG_REFINE, PREAMBLE_SIZE, crc32, parse_container
-from alignpred.format.header import _f32, _nonneg, check_header, tensor_metas
+from alignpred.format.container import ENTRY_SIZE, FLAG_REFINE, crc32, parse_container
+from alignpred.format.header import check_header, tensor_metas
+from alignpred.format.index import check_index
 from alignpred.format.session import DEFAULT_SESSION, DecoderSession
 from alignpred.io import map_file, release_pages
 from alignpred.threads import blas_single_thread, default_threads, stepwise
@@ -135,37 +135,8 @@ class KvzReader:
 
         check_rope_range(lay, self.config)
         self.metas = tensor_metas(h, lay)
-        n_obj = -(-lay.n_tokens // S)
-        n_coarse = n_obj * len(self.metas)
-        if len(self.index) != n_coarse * len(self.tiers):
-            raise FormatError(f"index holds {len(self.index)} objects, layout and tiers need "
-                              f"{n_coarse * len(self.tiers)}")
-        prev_end = PREAMBLE_SIZE
-        for k, ent in enumerate(self.index):
-            tier, kk = divmod(k, n_coarse)
-            ti, j = divmod(kk, n_obj)
-            want_n = min(S, lay.n_tokens - j * S)
-            if ent.tensor != ti or ent.token_start != j * S or ent.n_tokens != want_n:
-                raise FormatError(f"index entry {k} does not follow the layout order")
-            want_flag = OBJ_REFINE if tier else 0
-            if (ent.flags & ~OBJ_ZERO) != want_flag or bool(ent.flags & OBJ_ZERO) != (ent.length == 0):
-                raise FormatError(f"index entry {k} has invalid flags")
-            if tier:
-                if ent.delta != 0.0 or ent.sq_err != 0.0:
-                    raise FormatError(f"refinement entry {k} has a step or an error")
-            elif not _f32(ent.delta) or (not (ent.flags & OBJ_ZERO) and not ent.delta > 0):
-                raise FormatError(f"index entry {k} has an invalid quantisation step")
-            if not (_nonneg(ent.sq_err) and _nonneg(ent.sq_norm)):
-                raise FormatError(f"index entry {k} has invalid error statistics")
-            if ent.offset != prev_end:
-                raise FormatError(f"index entry {k}: payloads must be contiguous")
-            prev_end = ent.offset + ent.length
-        emb = self.header["bank"].get("embedded")
-        end = prev_end + (int(emb["length"]) if emb else 0)
-        if emb and int(emb["offset"]) != prev_end:
-            raise FormatError("embedded bank offset is inconsistent")
-        if end != self._footer.header_offset:
-            raise FormatError("payloads do not end where the header starts")
+        n_obj = check_index(self.index, lay, S, len(self.metas), len(self.tiers), self.header['bank'],
+                            self._footer.header_offset)
         self.n_objects_per_tensor = n_obj
 
     # -- bank ------------------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def test_same_bits_in_other_processes(tmp_path):
     NUMBA_NUM_THREADS / OPENBLAS_NUM_THREADS = 2, and one compiled for the generic x86-64 target
     (SSE2 only: ``pmaddwd`` on xmm instead of ``vpdpwssd``) with the thread counts at 1."""
     code = ("import json, sys; sys.path.insert(0, {!r}); import test_intmap as t, test_fused as f; "
-            "print(json.dumps([t._hash_case(), f._hash_case()]))".format(os.path.join(ROOT, "tests")))
+            "print(json.dumps([t._hash_case(), f._hash_case()]))".format(os.path.join(ROOT, "tests", "kernels")))
     from test_fused import _hash_case as fused_hash
 
     here = [_hash_case(), fused_hash()]
