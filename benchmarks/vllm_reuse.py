@@ -1,0 +1,224 @@
+"""Prefix reuse through vLLM's KV connectors: vLLM serving Gemma 3 270M on this CPU, prompts of
+1K–8K tokens sharing a prefix (system prompt + documents), each store measured across two engine
+processes — a *writer* that computes and stores the prefix, then a *reader* whose request has the same
+prefix and another question.
+
+Stores: ``recompute`` (no connector), ``example`` (vLLM's ``ExampleConnector``: raw safetensors per
+layer), ``kvz`` (lossy, eps 0.02) and ``kvz-lossless``. Per store and prompt: TTFT of the reader
+(vLLM's ``first_token_latency``), cached tokens, stored bytes (what the writer stored for the
+prompt) against the raw bf16 bytes of the same tokens, identical greedy tokens and the mean KL of
+the first steps' top-20 logprobs against recompute; for kvz the TTFT split (decode, copy into the
+paged cache, the rest: lookup + remaining prefill).
+
+    python -m kvz.benchmarks.vllm_reuse [--quick] [--json OUT.json] [--md OUT.md] [--model DIR]
+
+Needs the vLLM venv (see ``.ci/vllm.sh``). ``--quick``: one 1K prompt (CI smoke; no timing claim).
+Engines are pinned to one core (``VLLM_CPU_OMP_THREADS_BIND``) so every store runs with the same
+thread count; kvz's codec runs on the same core in the engine's process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BS = 128
+QUESTION = 48
+SIZES = (1024, 2048, 4096, 8192)
+STORES = ("recompute", "example", "kvz", "kvz-lossless")
+LOGPROBS = 20
+SYSTEM = ("You are a careful assistant. Answer questions about the documents below; quote them where you can, "
+          "say when they do not contain the answer, and keep answers short.")
+
+
+def _texts() -> list[str]:
+    here = Path(__file__).resolve().parent
+    d = here.parent / "samples" / "gemma3-270m" / "calib_texts"
+    out = [p.read_text(encoding="utf-8", errors="replace") for p in sorted(d.glob("*.txt"))] if d.is_dir() else []
+    return out
+
+
+def build_prompts(model_dir: str, sizes, seed: int = 0):
+    """``{size: (writer_ids, reader_ids, shared)}``: BOS + system prompt (tagged with the size so no
+    two sizes share a block) + documents up to ``size - QUESTION`` tokens, then a question of
+    ``QUESTION`` tokens (different for writer and reader)."""
+    import random
+
+    rng = random.Random(seed)
+    docs: list[int] = []
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        for t in _texts():
+            docs += tok.encode("\n\nDocument:\n" + t, add_special_tokens=False)
+        enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    except Exception:  # noqa: BLE001 - no tokenizer/texts: synthetic ids
+        enc = None
+    if len(docs) < 1000:
+        docs = [rng.randrange(1000, 30000) for _ in range(max(SIZES))]
+    out = {}
+    for n in sizes:
+        head = [2] + (enc(f"[session {n}] " + SYSTEM) if enc else [rng.randrange(1000, 30000) for _ in range(40)])
+        body_n = n - QUESTION - len(head)
+        body = (docs * (body_n // len(docs) + 1))[:body_n]
+        shared = head + body
+        qw = [rng.randrange(1000, 30000) for _ in range(QUESTION)]
+        qr = [rng.randrange(1000, 30000) for _ in range(QUESTION)]
+        out[n] = (shared + qw, shared + qr, len(shared))
+    return out
+
+
+def _store_cfg(store: str, root: Path):
+    if store == "recompute":
+        return None
+    if store == "example":
+        return {"kind": "example", "path": str(root / "example")}
+    return {"store": str(root / store), "lossless": store == "kvz-lossless", "eps": 0.02, "threads": 1}
+
+
+def _engine(spec: dict, root: Path, name: str, timeout: int = 3600) -> dict:
+    sp = root / f"{name}.spec.json"
+    out = root / f"{name}.out.json"
+    sp.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    with open(root / f"{name}.log", "w") as log:
+        rc = subprocess.call([sys.executable, "-m", "kvz.integrations.vllm.harness", str(sp), str(out)],
+                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(root), timeout=timeout)
+    if rc != 0 or not out.exists():
+        tail = (root / f"{name}.log").read_text()[-3000:]
+        raise RuntimeError(f"engine {name} failed (rc {rc}):\n{tail}")
+    return json.loads(out.read_text())
+
+
+def _kl(ref, got) -> float | None:
+    """Mean over the steps where the greedy tokens still agree of KL(ref || got) on ref's top-k
+    (renormalised on that set; a token missing from got's top-k gets got's smallest logprob)."""
+    if not ref or not got:
+        return None
+    vals = []
+    for a, b in zip(ref, got):
+        if not a or not b:
+            break
+        keys = list(a)
+        pa = [math.exp(a[k]) for k in keys]
+        floor = min(b.values())
+        pb = [math.exp(b.get(k, floor)) for k in keys]
+        za, zb = sum(pa), sum(pb)
+        vals.append(sum((x / za) * math.log((x / za) / max(y / zb, 1e-30)) for x, y in zip(pa, pb) if x > 0))
+        if max(a, key=a.get) != max(b, key=b.get):
+            break
+    return sum(vals) / len(vals) if vals else None
+
+
+def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None = None, log=print) -> list[dict]:
+    root = Path(workdir or tempfile.mkdtemp(prefix="kvz-vllm-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    prompts = build_prompts(model_dir, sizes)
+    mml = max(sizes) + max_tokens + BS
+    warm = [[2] + list(range(3000, 3000 + 300))]  # a first request in every engine: not measured
+    base = {"model": model_dir, "max_tokens": max_tokens, "max_model_len": mml, "block_size": BS,
+            "logprobs": LOGPROBS, "warmup_prompts": warm}
+    ref = None
+    rows = []
+    L, H, d = 18, 1, 256
+    for store in stores:
+        cfg = _store_cfg(store, root)
+        t0 = time.perf_counter()
+        readers = [prompts[n][1] for n in sizes]
+        if store == "recompute":
+            w = None
+            r = _engine({**base, "prompts": readers, "store": None}, root, "recompute")
+            ref = r
+        else:
+            w = _engine({**base, "prompts": [prompts[n][0] for n in sizes], "store": cfg}, root, f"{store}-writer")
+            r = _engine({**base, "prompts": readers, "store": cfg}, root, f"{store}-reader")
+        log(f"  {store}: {time.perf_counter() - t0:.0f} s")
+        for i, n in enumerate(sizes):
+            rr = r["results"][i]
+            rec = ref["results"][i] if ref is not None else None
+            wd = w["results"][i]["delta"] if w is not None else {}
+            stored = int(wd.get("stored_bytes", 0))
+            stored_tokens = sum(x["blocks"] for x in wd.get("runs", [])) * BS if store.startswith("kvz") else \
+                ((n - 1) // BS * BS if store == "example" else 0)
+            row = {"store": store, "prompt_tokens": n, "shared_tokens": prompts[n][2],
+                   "cached_tokens": rr["cached_tokens"],
+                   "identical": bool(rec is not None and rr["tokens"] == rec["tokens"]),
+                   "ttft_s": round(rr["ttft_s"], 4), "recompute_ttft_s": round(rec["ttft_s"], 4) if rec else None,
+                   "stored_bytes": stored, "stored_tokens": stored_tokens,
+                   "raw_bytes": stored_tokens * L * 2 * H * d * 2,
+                   "kl_top20": _kl(rec["logprobs"], rr["logprobs"]) if rec else None}
+            dl = rr.get("delta", {})
+            if store.startswith("kvz"):
+                row.update(decode_s=round(dl.get("decode_s", 0.0), 4), copy_s=round(dl.get("copy_s", 0.0), 4),
+                           rest_s=round(rr["ttft_s"] - dl.get("decode_s", 0.0) - dl.get("copy_s", 0.0), 4),
+                           encode_s=round(wd.get("encode_s", 0.0), 3))
+            rows.append(row)
+    return rows
+
+
+def to_markdown(rows, note: str = "") -> str:
+    lines = ["| store | prompt | cached | identical | TTFT s | recompute s | ratio | stored bytes/token | × raw | × example | KL top-20 | decode / copy / rest s |",
+             "|---|---:|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    ex = {r["prompt_tokens"]: r for r in rows if r["store"] == "example"}
+    for r in rows:
+        per = r["stored_bytes"] / r["stored_tokens"] if r["stored_tokens"] else 0
+        e = ex.get(r["prompt_tokens"])
+        xe = (f"{r['stored_bytes'] / e['stored_bytes']:.3f}" if e and e["stored_bytes"] and r["stored_bytes"] else "")
+        ratio = f"{r['ttft_s'] / r['recompute_ttft_s']:.2f}" if r["recompute_ttft_s"] else ""
+        split = f"{r['decode_s']:.2f} / {r['copy_s']:.3f} / {r['rest_s']:.2f}" if "decode_s" in r else ""
+        kl = f"{r['kl_top20']:.2e}" if r.get("kl_top20") is not None else ""
+        lines.append(f"| {r['store']} | {r['prompt_tokens']} | {r['cached_tokens']} | {'yes' if r['identical'] else 'no'} "
+                     f"| {r['ttft_s']:.2f} | {r['recompute_ttft_s'] or 0:.2f} | {ratio} | {per:.0f} "
+                     f"| {r['stored_bytes'] / r['raw_bytes']:.3f} | {xe} | {kl} | {split} |"
+                     if r["raw_bytes"] else
+                     f"| {r['store']} | {r['prompt_tokens']} | {r['cached_tokens']} | {'yes' if r['identical'] else 'no'} "
+                     f"| {r['ttft_s']:.2f} | {r['recompute_ttft_s'] or 0:.2f} | {ratio} | | | | {kl} | |")
+    return "\n".join(lines) + ("\n\n" + note if note else "") + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="vLLM prefix reuse through kvz and ExampleConnector")
+    ap.add_argument("--quick", action="store_true", help="one 1K prompt (CI smoke)")
+    ap.add_argument("--sizes", default=None, help="comma-separated prompt sizes (default 1024,2048,4096,8192)")
+    ap.add_argument("--stores", default=",".join(STORES))
+    ap.add_argument("--model", default=os.environ.get("KVZ_VLLM_MODEL_DIR"))
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--md", dest="md_out")
+    ap.add_argument("--workdir")
+    a = ap.parse_args(argv)
+    sizes = [1024] if a.quick else [int(x) for x in (a.sizes or ",".join(map(str, SIZES))).split(",")]
+    stores = a.stores.split(",")
+    if "recompute" not in stores:
+        stores = ["recompute"] + stores
+    stores = ["recompute"] + [s for s in stores if s != "recompute"]
+    model = a.model
+    if not model:
+        from kvz.integrations.vllm.convert import convert
+
+        model = str(convert(Path("~/.cache/kvz/gemma3-hf").expanduser()))
+    t0 = time.perf_counter()
+    rows = run(sizes, stores, model, a.max_tokens, a.workdir, log=lambda m: print(m, file=sys.stderr))
+    note = (f"Measured with `python -m kvz.benchmarks.vllm_reuse{' --quick' if a.quick else ''}` in "
+            f"{time.perf_counter() - t0:.0f} s: vLLM 0.32 CPU, Gemma 3 270M bf16, block 128, engines pinned "
+            f"to one core, prefix caching off (all reuse through the connector).")
+    md = to_markdown(rows, note)
+    print(md)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(rows, indent=1) + "\n")
+    if a.md_out:
+        Path(a.md_out).write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

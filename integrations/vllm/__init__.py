@@ -1,0 +1,20 @@
+"""kvz as vLLM's KV store (``kv_connector_module_path="kvz.integrations.vllm"``, connector
+``KvzConnector``): see :mod:`kvz.integrations.vllm.connector`.
+
+Importing this package does not import vLLM; ``KvzConnector`` is loaded on first use.
+"""
+from __future__ import annotations
+
+__all__ = ["KvzConnector", "KvzConnectorMetadata", "BlockStore", "KvzVllmWarning", "open_backend"]
+
+
+def __getattr__(name):
+    if name in ("KvzConnector", "KvzConnectorMetadata"):
+        from . import connector
+
+        return getattr(connector, name)
+    if name in ("BlockStore", "KvzVllmWarning", "open_backend"):
+        from . import store
+
+        return getattr(store, name)
+    raise AttributeError(name)

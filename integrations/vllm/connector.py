@@ -1,0 +1,487 @@
+"""kvz as vLLM's KV store: a V1 KV connector that stores computed KV blocks as ``.kvz`` and loads
+them for repeated prefixes.
+
+::
+
+    from vllm import LLM
+    llm = LLM(model=..., kv_transfer_config={
+        "kv_connector": "KvzConnector",
+        "kv_connector_module_path": "kvz.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": "/var/cache/kvz-vllm",     # or redis://host:6379/0
+                                      "eps": 0.02, "lossless": False, "bank": "gemma-3-270m"}})
+
+``kv_connector_extra_config`` keys: ``store`` (a directory path or a ``redis://`` URL; default
+``~/.cache/kvz/vllm``), ``eps`` (NRMSE bound per tensor, default 0.02), ``lossless`` (add the
+refinement tier: the blocks decode to the engine's bits exactly), ``bank`` (a registry name or
+path; default ``gemma-3-270m`` when the model is Gemma 3 270M, else none), ``model_id`` (part of
+every key; default the served model name), ``budget_bytes`` (store budget), ``namespace``
+(Redis), ``threads`` (kvz's worker threads), ``sync_save`` (encode in the step instead of a
+background thread), ``store_after_lossy`` (also store blocks computed on top of lossy loaded
+KV; default off: a prefix hit then stays within eps of what the model computes), ``debug_dir``
+(write the KV read back from the engine's blocks after each load/save, for tests).
+
+**Scheduler side.** ``get_num_new_matched_tokens`` hashes the prompt's full blocks (at most
+``len-1`` tokens: one token is always computed) and walks the store's per-block pointers; the run
+blobs are fetched and checked there (checksum, header, token-id digests), so a corrupt entry is a
+miss before any block is allocated. ``build_connector_meta`` hands the worker the blobs to decode
+into the allocated blocks, and — in the step a prompt's prefill completes — the blocks to store
+(those not in the store yet).
+
+**Worker side.** Loads decode every layer with :class:`alignpred.KvzReader` into staging
+buffers and write them into the paged cache with vLLM's own ``cpu_attn_reshape_and_cache`` (so
+the layout is whatever the attention kernels use). Saves read the blocks back through the
+inverse of that layout (probed once by writing a known pattern with the same op), after the
+forward (``wait_for_save``), and encode them in a background thread (``sync_save`` to do it in
+the step).
+
+**Failures**: a store that is down or an entry that is corrupt or foreign is a miss plus a
+:class:`~kvz.integrations.vllm.store.KvzVllmWarning`; a decode that fails on the worker reports
+its blocks through ``get_block_ids_with_load_errors`` (with ``kv_load_failure_policy="recompute"``
+vLLM recomputes them).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                KVConnectorRole)
+from vllm.logger import init_logger
+
+from .store import DEFAULT_EPS, BlockStore, Segment, open_backend, warn
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+__all__ = ["KvzConnector", "KvzConnectorMetadata", "model_info"]
+
+GEMMA3_270M = "gemma-3-270m"
+
+
+# ============================================================================ model facts
+
+def model_info(vllm_config) -> dict:
+    """Layer types, per-layer RoPE bases, ``(layers, kv_heads, head_dim)``, KV dtype and the default
+    bank of the served model, from vLLM's config."""
+    mc = vllm_config.model_config
+    cfg = mc.hf_text_config
+    n = int(cfg.num_hidden_layers)
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
+    params = getattr(cfg, "rope_parameters", None)
+    thetas = []
+    for t in types:
+        if isinstance(params, dict) and isinstance(params.get(t), dict):
+            p = params[t]
+        elif isinstance(params, dict) and "rope_theta" in params:
+            p = params
+        else:
+            base = getattr(cfg, "rope_local_base_freq", None) if t == "sliding_attention" else None
+            p = {"rope_theta": base or getattr(cfg, "rope_theta", 10000.0), "rope_type": "default"}
+        if p.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"kvz connector: RoPE type {p.get('rope_type')!r} is not supported yet")
+        thetas.append(float(p["rope_theta"]))
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    bank = None
+    if getattr(cfg, "model_type", "") in ("gemma3_text", "gemma3") and (n, kv_heads, head_dim) == (18, 1, 256):
+        bank = GEMMA3_270M
+    name = mc.served_model_name
+    if isinstance(name, (list, tuple)):
+        name = name[0]
+    model_id = os.path.basename(str(name).rstrip("/")) or str(name)
+    dtype = str(mc.dtype).replace("torch.", "")
+    return {"layer_types": types, "rope_theta": thetas, "shape": (n, kv_heads, head_dim), "dtype": dtype,
+            "bank": bank, "model_id": model_id}
+
+
+# ============================================================================ metadata
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    segments: list  # [Segment]
+    block_ids: list  # the request's block ids (index = block position)
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    token_ids: list
+    first_block: int
+    block_ids: list  # ids of blocks first_block..first_block+n
+    hashes: list
+
+
+@dataclass
+class KvzConnectorMetadata(KVConnectorMetadata):
+    loads: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    token_ids: list
+    block_ids: list
+    prompt_len: int
+    hit_blocks: int = 0
+    lossy_load: bool = False
+    saved: bool = False
+
+
+# ============================================================================ the connector
+
+def _layer_index(name: str) -> int:
+    m = re.search(r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
+class KvzConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        get = self._kv_transfer_config.get_from_extra_config
+        self.block_size = int(vllm_config.cache_config.block_size)
+        info = model_info(vllm_config)
+        self.info = info
+        lossless = bool(get("lossless", False))
+        eps = float(get("eps", DEFAULT_EPS))
+        bank = get("bank", info["bank"])
+        threads = get("threads", None)
+        self.sync_save = bool(get("sync_save", False))
+        self.store_after_lossy = bool(get("store_after_lossy", False))
+        self.debug_dir = get("debug_dir", None)
+        self.warmup = bool(get("warmup", True))
+        self._warm: threading.Thread | None = None
+        kw = {}
+        if get("budget_bytes", None) is not None:
+            kw["budget_bytes"] = int(get("budget_bytes", None))
+        if get("namespace", None) is not None:
+            kw["namespace"] = str(get("namespace", None))
+        self.backend = open_backend(get("store", None), **kw)
+        self.store = BlockStore(self.backend, model_id=get("model_id", info["model_id"]), block_size=self.block_size,
+                                layer_types=info["layer_types"], rope_theta=info["rope_theta"], shape=info["shape"],
+                                dtype=info["dtype"], eps=eps, lossless=lossless, bank=bank,
+                                threads=None if threads is None else int(threads))
+        self.lossy = not lossless
+        # scheduler side
+        self._lookups: dict[str, tuple[int, int, list]] = {}  # req -> (num_computed, hit blocks, segments)
+        self._pending_loads: dict[str, tuple[int, list]] = {}
+        self._reqs: dict[str, _ReqState] = {}
+        # worker side
+        self._kv: list[tuple[str, torch.Tensor]] = []
+        self._perm: torch.Tensor | None = None
+        self._isa: str | None = None
+        self._load_errors: set[int] = set()
+        self._save_q: queue.Queue | None = None
+        self._save_thread: threading.Thread | None = None
+        self.timings = {"load_s": 0.0, "decode_s": 0.0, "copy_s": 0.0, "extract_s": 0.0, "loaded_blocks": 0}
+        logger.info("kvz connector (%s): store %s, eps %s, lossless %s, bank %s", role.name,
+                    type(self.backend).__name__, eps, lossless, bank)
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        ids = list(request.prompt_token_ids or [])
+        if not ids or getattr(request, "mm_features", None):
+            return 0, False
+        bs = self.block_size
+        max_blocks = (len(ids) - 1) // bs
+        start = num_computed_tokens // bs
+        cached = self._lookups.get(request.request_id)
+        if cached is not None and cached[0] == num_computed_tokens:
+            hit = cached[1]
+        else:
+            hit, segs = self.store.lookup(ids, max_blocks, start_block=start)
+            self._lookups[request.request_id] = (num_computed_tokens, hit, segs)
+        ext = hit * bs - num_computed_tokens
+        return (ext if ext > 0 else 0), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        rid = request.request_id
+        got = self._lookups.pop(rid, None)
+        if num_external_tokens > 0 and got is not None:
+            _, hit, segs = got
+            self._pending_loads[rid] = (hit, segs)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvzConnectorMetadata()
+        bs = self.block_size
+        for new in scheduler_output.scheduled_new_reqs:
+            ids = list(new.prompt_token_ids or [])
+            st = _ReqState(ids, list(new.block_ids[0]), len(ids))
+            self._reqs[new.req_id] = st
+            pl = self._pending_loads.pop(new.req_id, None)
+            if pl is not None:
+                hit, segs = pl
+                st.hit_blocks = hit
+                st.lossy_load = self.lossy
+                meta.loads.append(LoadSpec(new.req_id, segs, list(st.block_ids)))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.block_ids = list(nb[0]) if nb is not None else []
+                st.saved = True  # resumed after preemption: its blocks were recomputed, nothing new to store
+                self._pending_loads.pop(rid, None)
+            elif nb is not None:
+                st.block_ids.extend(nb[0])
+        # store each prompt in the step its prefill completes
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._maybe_save(meta, new.req_id, new.num_computed_tokens + sched.get(new.req_id, 0))
+        for i, rid in enumerate(cached.req_ids):
+            self._maybe_save(meta, rid, cached.num_computed_tokens[i] + sched.get(rid, 0))
+        self._pending_loads.clear()
+        return meta
+
+    def _maybe_save(self, meta, rid, end):
+        st = self._reqs.get(rid)
+        if st is None or st.saved or end < st.prompt_len:
+            return
+        st.saved = True
+        if st.lossy_load and st.hit_blocks and not self.store_after_lossy:
+            return
+        bs = self.block_size
+        full = min(st.prompt_len // bs, len(st.block_ids))
+        first = self.store.stored_prefix(st.token_ids, full)
+        if first >= full:
+            return
+        hashes = self.store.block_hashes(st.token_ids, full)[first:]
+        meta.saves.append(SaveSpec(rid, st.token_ids[:full * bs], first, st.block_ids[first:full], hashes))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._reqs.pop(rid, None)
+        self._lookups.pop(rid, None)
+        self._pending_loads.pop(rid, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side: layout
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        items = sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
+        self._kv = items
+        L, H, d = self.info["shape"]
+        if len(items) != L:
+            raise ValueError(f"kvz connector: {len(items)} KV caches for a {L}-layer model")
+        for name, t in items:
+            if t.dim() != 4 or t.shape[1] != H or t.shape[2] != self.block_size or t.shape[3] != 2 * d:
+                raise ValueError(f"kvz connector: KV cache {name} has shape {tuple(t.shape)}; expected "
+                                 f"[blocks, {H}, {self.block_size}, {2 * d}] (the CPU attention backend)")
+        if self.warmup:
+            def warm():
+                try:
+                    self.timings["warmup_s"] = self.store.warmup()
+                except Exception as e:  # noqa: BLE001
+                    warn(f"kvz: codec warm-up failed ({type(e).__name__}: {e})")
+
+            self._warm = threading.Thread(target=warm, name="kvz-warmup", daemon=True)
+            self._warm.start()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait for the codec warm-up started at registration (if any)."""
+        if self._warm is not None:
+            self._warm.join(timeout)
+
+    def _get_isa(self) -> str:
+        if self._isa is None:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            t = self._kv[0][1]
+            self._isa = _get_attn_isa(t.dtype, self.block_size, self.info["shape"][2],
+                                      self._vllm_config.cache_config.cache_dtype)
+        return self._isa
+
+    @staticmethod
+    def _split(cache: torch.Tensor):
+        nb, h, bs, _ = cache.shape
+        return cache.view(nb, h, bs * 2, -1).chunk(2, dim=2)
+
+    def _write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``k``/``v`` (``[n, kv_heads, head_dim]``) into ``cache`` at ``slots`` with vLLM's op."""
+        from vllm import _custom_ops as ops
+
+        kc, vc = self._split(cache)
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, self._get_isa())
+
+    def _layout(self) -> torch.Tensor:
+        """For each element of a (block, head) slab, its flat index in ``[K | V] x [bs, head_dim]``
+        order: probed by writing a known pattern with the same op the attention layer uses."""
+        if self._perm is None:
+            _, H, d = self.info["shape"]
+            bs = self.block_size
+            dt = self._kv[0][1].dtype
+            n = 2 * bs * d
+            idx = torch.arange(n, dtype=torch.int64).view(2, bs, d)
+            found = []
+            for part in (idx % 256, idx // 256):  # small integers: exact in bf16/fp16
+                scratch = torch.zeros((1, H, bs, 2 * d), dtype=dt)
+                k = part[0][:, None, :].expand(bs, H, d).to(dt).contiguous()
+                v = part[1][:, None, :].expand(bs, H, d).to(dt).contiguous()
+                self._write(scratch, k, v, torch.arange(bs, dtype=torch.int64))
+                found.append(scratch[0, 0].reshape(-1).to(torch.int64))
+            perm = found[0] + 256 * found[1]
+            if not torch.equal(torch.sort(perm).values, torch.arange(n)):
+                raise RuntimeError("kvz connector: the KV cache layout is not a permutation of K and V")
+            self._perm = perm
+        return self._perm
+
+    def _read_blocks(self, block_ids) -> list:
+        """``[(K, V)]`` per layer, ``[kv_heads, n*bs, head_dim]`` (copies), of ``block_ids``."""
+        _, H, d = self.info["shape"]
+        bs = self.block_size
+        perm = self._layout()
+        b = torch.as_tensor(block_ids, dtype=torch.int64)
+        out = []
+        for _, cache in self._kv:
+            slabs = cache.index_select(0, b).reshape(len(block_ids), H, -1)
+            lin = torch.empty_like(slabs)
+            lin[:, :, perm] = slabs
+            lin = lin.view(len(block_ids), H, 2, bs, d).permute(2, 1, 0, 3, 4).reshape(2, H, len(block_ids) * bs, d)
+            out.append((lin[0].contiguous(), lin[1].contiguous()))
+        return out
+
+    # ------------------------------------------------------------------ worker side: load
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvzConnectorMetadata) or not meta.loads:
+            return
+        self.wait_ready()
+        L, H, d = self.info["shape"]
+        bs = self.block_size
+        dt = self._kv[0][1].dtype
+        for spec in meta.loads:
+            t0 = time.perf_counter()
+            for seg in spec.segments:
+                n = seg.count * bs
+                kbuf = torch.empty((L, H, n, d), dtype=dt)
+                vbuf = torch.empty((L, H, n, d), dtype=dt)
+                blocks = spec.block_ids[seg.first:seg.first + seg.count]
+                try:
+                    t1 = time.perf_counter()
+                    self.store.decode(seg, kbuf, vbuf)
+                    t2 = time.perf_counter()
+                    slots = (torch.as_tensor(blocks, dtype=torch.int64)[:, None] * bs
+                             + torch.arange(bs, dtype=torch.int64)[None, :]).reshape(-1)
+                    for i, (_, cache) in enumerate(self._kv):
+                        self._write(cache, kbuf[i].transpose(0, 1).contiguous(), vbuf[i].transpose(0, 1).contiguous(),
+                                    slots)
+                    self.timings["decode_s"] += t2 - t1
+                    self.timings["copy_s"] += time.perf_counter() - t2
+                    self.timings["loaded_blocks"] += seg.count
+                except Exception as e:  # noqa: BLE001 - the engine recomputes these blocks
+                    warn(f"kvz: decoding {seg.count} stored blocks for {spec.req_id} failed "
+                         f"({type(e).__name__}: {e}); reported as load errors, recomputed")
+                    self._load_errors.update(int(x) for x in spec.block_ids[seg.first:])
+                    break
+            self.timings["load_s"] += time.perf_counter() - t0
+            if self.debug_dir:
+                self._debug_dump("load", spec.req_id, spec.block_ids[:sum(s.count for s in spec.segments)
+                                                                     + (spec.segments[0].first if spec.segments else 0)])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    # ------------------------------------------------------------------ worker side: save
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # all layers are encoded together after the forward (wait_for_save)
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvzConnectorMetadata) or not meta.saves:
+            return
+        for spec in meta.saves:
+            t0 = time.perf_counter()
+            try:
+                kv = self._read_blocks(spec.block_ids)
+            except Exception as e:  # noqa: BLE001
+                warn(f"kvz: reading blocks of {spec.req_id} failed ({type(e).__name__}: {e}); not stored")
+                continue
+            self.timings["extract_s"] += time.perf_counter() - t0
+            if self.debug_dir:
+                self._debug_write("save", spec.req_id, kv, spec.first_block)
+            job = (spec.token_ids, spec.first_block, kv, spec.hashes)
+            if self.sync_save:
+                self.store.put_run(*job)
+            else:
+                self._saver().put(job)
+
+    def _saver(self) -> queue.Queue:
+        if self._save_q is None:
+            self._save_q = queue.Queue()
+
+            def run():
+                while True:
+                    job = self._save_q.get()
+                    try:
+                        if job is None:
+                            return
+                        self.store.put_run(*job)
+                    finally:
+                        self._save_q.task_done()
+
+            self._save_thread = threading.Thread(target=run, name="kvz-save", daemon=True)
+            self._save_thread.start()
+            import atexit
+
+            atexit.register(self.flush)
+        return self._save_q
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued block run is stored (and the warm-up is done)."""
+        self.wait_ready()
+        if self._save_q is not None:
+            self._save_q.join()
+
+    def shutdown(self):
+        if self._save_q is not None:
+            self.flush()
+            self._save_q.put(None)
+            if self._save_thread is not None:
+                self._save_thread.join(timeout=60)
+            self._save_q = None
+        try:
+            self.backend.close()
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+
+    # ------------------------------------------------------------------ debugging / tests
+    def _debug_dump(self, what, rid, block_ids):
+        try:
+            self._debug_write(what, rid, self._read_blocks(block_ids), 0)
+        except Exception as e:  # noqa: BLE001
+            warn(f"kvz: debug dump failed ({e})")
+
+    def _debug_write(self, what, rid, kv, first_block):
+        from safetensors.torch import save_file
+
+        os.makedirs(self.debug_dir, exist_ok=True)
+        tensors = {}
+        for i, (k, v) in enumerate(kv):
+            tensors[f"layers.{i}.key"] = k.float().contiguous()
+            tensors[f"layers.{i}.value"] = v.float().contiguous()
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(rid))
+        save_file(tensors, os.path.join(self.debug_dir, f"{what}-{safe}.safetensors"),
+                  metadata={"first_block": str(first_block), "block_size": str(self.block_size)})

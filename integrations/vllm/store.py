@@ -1,0 +1,307 @@
+"""The block store behind the vLLM connector: runs of full KV blocks as ``.kvz`` objects in a
+:class:`~kvz.integrations.kvstore.ChunkBackend`, found by a chained prefix hash per block.
+
+Keys (every one binds the *binding*: model id, block size, KV dtype, ``.kvz`` format, codec
+configuration, bank id, eps, lossless — a changed model or codec never matches stale KV):
+
+* ``kvzv:b:<h_i>`` — one small *pointer* per block ``i``: ``h_i = sha256("p" + h_{i-1} + ids of
+  block i)`` with ``h_{-1} = sha256(binding)``, so a hit means the same tokens at the same
+  positions from position 0. Its blob is the key of the run holding the block, its meta the
+  block's index in that run.
+* ``kvzv:r:<h_last>`` — one ``.kvz`` per *run*: the consecutive full blocks one prefill computed,
+  encoded for all layers at once (the codec's maps read earlier layers), ``position_offset`` = the
+  first block's position, with the digest of each block's token ids in its metadata.
+
+A pointer is written after its run, so it never names a run that was not stored (eviction aside:
+then the lookup stops there, a miss). Anything that fails — a backend that is down, an entry that
+fails its checksum, a ``.kvz`` that does not parse, a block whose token ids differ — is a miss and a
+:class:`KvzVllmWarning`; the engine recomputes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY_SCHEME = "kvz-vllm/1"
+DEFAULT_EPS = 0.02
+BLOCKS_META = "kvz.vllm.block_sha256"  # per-block token-id digests (hex, first 32 chars) of a run
+
+
+class KvzVllmWarning(UserWarning):
+    """Stored KV could not be used (store down, corrupt or foreign entry): a miss, recomputed."""
+
+
+def warn(msg: str) -> None:
+    warnings.warn(KvzVllmWarning(msg), stacklevel=3)
+    import logging
+
+    logging.getLogger("kvz.vllm").warning(msg)
+
+
+def block_digest(ids) -> str:
+    return hashlib.sha256(np.asarray(ids, dtype="<u4").tobytes()).hexdigest()[:32]
+
+
+def open_backend(url: str | None, **kw):
+    """A backend from a store URL: ``redis://…`` / ``rediss://…`` / ``unix://…`` → RedisBackend,
+    anything else (a directory path, ``file://…``) → DirectoryBackend."""
+    from kvz.integrations.kvstore import DirectoryBackend, RedisBackend
+
+    if url is None or url == "":
+        url = os.path.join(os.path.expanduser("~"), ".cache", "kvz", "vllm")
+    url = str(url)
+    if url.split("://", 1)[0] in ("redis", "rediss", "unix"):
+        return RedisBackend(url, **{k: v for k, v in kw.items() if k in ("budget_bytes", "namespace")})
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    return DirectoryBackend(url, **{k: v for k, v in kw.items() if k in ("budget_bytes",)})
+
+
+@dataclass
+class Segment:
+    """Blocks ``[first, first + count)`` of a prompt, found in run ``run_key`` from its block ``run_index``."""
+
+    run_key: str
+    blob: bytes
+    run_index: int
+    first: int
+    count: int
+
+
+class BlockStore:
+    """Encode / look up / decode runs of KV blocks (see the module docstring).
+
+    ``layer_types``: one per layer; ``rope_theta``: per-layer RoPE bases (keys are stored roped);
+    ``shape``: ``(layers, kv_heads, head_dim)``; ``dtype``: the engine's KV dtype name."""
+
+    def __init__(self, backend, *, model_id: str, block_size: int, layer_types, rope_theta, shape, dtype: str,
+                 eps: float = DEFAULT_EPS, lossless: bool = False, bank=None, threads: int | None = None):
+        from alignpred import CodecConfig, DecoderSession
+
+        self.backend = backend
+        self.model_id = str(model_id)
+        self.block_size = int(block_size)
+        self.layer_types = [str(t) for t in layer_types]
+        self.rope_theta = [float(t) for t in rope_theta]
+        self.shape = tuple(int(x) for x in shape)
+        self.dtype = str(dtype)
+        self.eps = float(eps)
+        self.lossless = bool(lossless)
+        self.config = CodecConfig()
+        self.bank = None
+        if bank is not None:
+            from alignpred import resolve_bank
+
+            self.bank = resolve_bank(bank)
+        self.threads = threads
+        self.session = DecoderSession(banks=[self.bank] if self.bank is not None else ())
+        try:
+            from alignpred.format.container import MAJOR
+        except ImportError:  # pragma: no cover - layout of older trees
+            MAJOR = 1
+        self.binding = {"scheme": KEY_SCHEME, "model": self.model_id, "block_size": self.block_size,
+                        "dtype": self.dtype, "shape": list(self.shape), "format_major": MAJOR,
+                        "config": self.config.to_json(), "bank": self.bank.id if self.bank is not None else None,
+                        "eps": self.eps, "lossless": self.lossless}
+        self._bind = hashlib.sha256(json.dumps(self.binding, sort_keys=True, separators=(",", ":")).encode()).digest()
+        self._lock = threading.Lock()
+        self.runs: list[dict] = []  # what this object stored: key, first block, blocks, bytes
+        self.counters = dict.fromkeys(("lookups", "hit_blocks", "misses", "runs_stored", "blocks_stored",
+                                       "stored_bytes", "raw_bytes", "bad_entries", "encode_s", "decode_s"), 0)
+
+    # -- keys --------------------------------------------------------------------------------------
+    def block_hashes(self, token_ids, n_blocks: int) -> list[str]:
+        ids = np.asarray(token_ids[:n_blocks * self.block_size], dtype="<u4")
+        out, prev = [], self._bind
+        bs = self.block_size
+        for i in range(n_blocks):
+            body = ids[i * bs:(i + 1) * bs].tobytes()
+            prev = hashlib.sha256(b"p" + prev + body).digest()
+            out.append(prev.hex())
+        return out
+
+    @staticmethod
+    def ptr_key(h: str) -> str:
+        return "kvzv:b:" + h
+
+    @staticmethod
+    def run_key(h: str) -> str:
+        return "kvzv:r:" + h
+
+    def _count(self, name, n=1):
+        with self._lock:
+            self.counters[name] += n
+
+    # -- lookup (scheduler side) ------------------------------------------------------------------
+    def lookup(self, token_ids, max_blocks: int, start_block: int = 0) -> tuple[int, list[Segment]]:
+        """The longest run of stored blocks from block 0 (at most ``max_blocks``); returns
+        ``(n_blocks, segments covering blocks start_block..n_blocks)`` with the run blobs fetched and
+        checked (checksum, header, token ids). Never raises: a failure ends the hit there."""
+        self._count("lookups")
+        if max_blocks <= 0:
+            return 0, []
+        try:
+            hashes = self.block_hashes(token_ids, max_blocks)
+            segs: list[Segment] = []
+            runs: dict[str, tuple] = {}
+            n = 0
+            bs = self.block_size
+            for i, h in enumerate(hashes):
+                e = self.backend.get_entry(self.ptr_key(h))
+                if e is None:
+                    break
+                rk = e.blob.decode("ascii", "replace")
+                idx = int((e.meta or {}).get("index", -1))
+                if rk not in runs:
+                    runs[rk] = self._fetch_run(rk)
+                got = runs[rk]
+                if got is None:
+                    warn(f"kvz: stored block {i} points to run {rk[:24]}… which is missing or corrupt; "
+                         "treated as a miss, recomputed")
+                    self._count("bad_entries")
+                    break
+                blob, digests = got
+                if not (0 <= idx < len(digests)) or digests[idx] != block_digest(token_ids[i * bs:(i + 1) * bs]):
+                    warn(f"kvz: stored block {i} ({rk[:24]}…) holds other tokens; treated as a miss")
+                    self._count("bad_entries")
+                    break
+                n = i + 1
+                if i < start_block:
+                    continue
+                last = segs[-1] if segs else None
+                if last is not None and last.run_key == rk and last.run_index + last.count == idx:
+                    last.count += 1
+                else:
+                    segs.append(Segment(rk, blob, idx, i, 1))
+            self._count("hit_blocks", n)
+            if n < max_blocks:
+                self._count("misses")
+            return n, segs
+        except Exception as e:  # noqa: BLE001 - a store fault is a miss, never a failed request
+            warn(f"kvz: store lookup failed ({type(e).__name__}: {e}); treated as a miss")
+            return 0, []
+
+    def _fetch_run(self, rk: str):
+        e = self.backend.get_entry(rk)
+        if e is None:
+            return None
+        try:
+            from alignpred import KvzReader
+
+            r = KvzReader(memoryview(e.blob), bank=self.bank, session=self.session)
+            meta = r.header.get("source_metadata", {}) or {}
+            digests = meta.get(BLOCKS_META)
+            if isinstance(digests, str):
+                digests = json.loads(digests)
+            lay = r.layout
+            if (lay.num_layers, lay.kv_heads, lay.head_dim) != self.shape or not isinstance(digests, list):
+                raise ValueError("not a run of this model")
+            if lay.n_tokens != len(digests) * self.block_size:
+                raise ValueError("run length does not match its blocks")
+            return e.blob, [str(d) for d in digests]
+        except Exception as exc:  # noqa: BLE001
+            warn(f"kvz: stored run {rk[:24]}… unusable ({type(exc).__name__}: {exc}); dropped, recomputing")
+            self._count("bad_entries")
+            try:
+                self.backend.delete(rk)
+            except Exception:  # noqa: BLE001
+                pass
+            return None
+
+    def stored_prefix(self, token_ids, n_blocks: int) -> int:
+        """How many leading blocks already have a pointer (unverified)."""
+        try:
+            for i, h in enumerate(self.block_hashes(token_ids, n_blocks)):
+                if not self.backend.contains(self.ptr_key(h)):
+                    return i
+            return n_blocks
+        except Exception:  # noqa: BLE001
+            return 0
+
+    # -- decode (worker side) ---------------------------------------------------------------------
+    def decode(self, seg: Segment, kbuf, vbuf) -> None:
+        """Decode the segment's blocks into ``kbuf``/``vbuf`` (``[layers, kv_heads, n, head_dim]``)."""
+        import time
+
+        from alignpred import KvzReader
+
+        t0 = time.perf_counter()
+        bs = self.block_size
+        r = KvzReader(memoryview(seg.blob), bank=self.bank, session=self.session, threads=self.threads)
+        a = seg.run_index * bs
+        rng = (a, a + seg.count * bs)
+        for _ in r.layers(tokens=rng, out=lambda i: (kbuf[i], vbuf[i])):
+            pass
+        self._count("decode_s", time.perf_counter() - t0)
+
+    def warmup(self) -> float:
+        """Encode and decode one synthetic block in this store's mode, so the codec's kernels are
+        compiled before the first request (numba compiles on first use). Returns the seconds taken."""
+        import time
+
+        import torch
+
+        from alignpred import Cache, KvzReader, compress
+
+        t0 = time.perf_counter()
+        L, H, d = self.shape
+        g = torch.Generator().manual_seed(0)
+        dt = getattr(torch, self.dtype, torch.bfloat16)
+        kv = [(torch.randn(H, self.block_size, d, generator=g).to(dt), torch.randn(H, self.block_size, d, generator=g).to(dt))
+              for _ in range(L)]
+        meta = {"layer_types": self.layer_types, "keys_roped": True, "rope_theta": self.rope_theta}
+        blob = compress(Cache.from_arrays(kv, meta), None, eps=self.eps, bank=self.bank, config=self.config,
+                        lossless=self.lossless, threads=self.threads).data
+        KvzReader(memoryview(blob), bank=self.bank, session=self.session, threads=self.threads).read()
+        return time.perf_counter() - t0
+
+    # -- store (worker side) ----------------------------------------------------------------------
+    def put_run(self, token_ids, first_block: int, kv, hashes: list[str]) -> int:
+        """Encode ``kv`` (``[(K, V)]`` per layer, ``[kv_heads, n*bs, head_dim]``) of blocks
+        ``first_block..`` of ``token_ids`` (their chained ``hashes``) as one ``.kvz`` and store it
+        with one pointer per block. Returns the bytes stored (0 on failure, after a warning)."""
+        import time
+
+        from alignpred import Cache, compress
+
+        t0 = time.perf_counter()
+        bs = self.block_size
+        n = len(hashes)
+        try:
+            digests = [block_digest(token_ids[(first_block + j) * bs:(first_block + j + 1) * bs]) for j in range(n)]
+            meta = {"model": self.model_id, "layer_types": self.layer_types, "keys_roped": True,
+                    "rope_theta": self.rope_theta, "rope_pairing": "half",
+                    "position_offset": int(first_block * bs), BLOCKS_META: json.dumps(digests)}
+            cache = Cache.from_arrays(kv, meta)
+            blob = compress(cache, None, eps=self.eps, bank=self.bank, config=self.config,
+                            lossless=self.lossless, threads=self.threads).data
+            rk = self.run_key(hashes[-1])
+            if not self.backend.put(rk, blob, meta={"start": int(first_block * bs), "blocks": n},
+                                    importance=float(n * bs)):
+                return 0
+            for j, h in enumerate(hashes):
+                self.backend.put(self.ptr_key(h), rk.encode("ascii"), meta={"index": j}, importance=float(bs))
+            raw = sum(int(k.numel() if hasattr(k, "numel") else np.size(k)) * 2 * _itemsize(k) for k, _ in kv)
+            with self._lock:
+                self.counters["runs_stored"] += 1
+                self.counters["blocks_stored"] += n
+                self.counters["stored_bytes"] += len(blob)
+                self.counters["raw_bytes"] += raw
+                self.counters["encode_s"] += time.perf_counter() - t0
+                self.runs.append({"key": rk, "first_block": int(first_block), "blocks": n, "bytes": len(blob)})
+            return len(blob)
+        except Exception as e:  # noqa: BLE001 - a failed store is a future miss, never a failed request
+            warn(f"kvz: storing {n} blocks failed ({type(e).__name__}: {e})")
+            return 0
+
+
+def _itemsize(a) -> int:
+    if hasattr(a, "element_size"):
+        return int(a.element_size())
+    return int(np.asarray(a).itemsize)
