@@ -10,7 +10,7 @@ import click
 
 def _command_line(caches, opts: list[tuple[str, object]]) -> str:
     """The command as typed, rebuilt from the parsed parameters; paths outside the repository shown by name."""
-    from kvz.benchmarks.run import display_path
+    from kvz.benchmarks.harness import display_path
 
     out = ["kvz", "bench"] + [display_path(c) for c in caches]
     for flag, v in opts:

@@ -115,7 +115,7 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
     _skip_numba_blas_probe()
     from alignpred import CodecConfig, ErrorBudget, compress, fit_bank, load_cache
     from alignpred.bank import fitting, resolve_bank
-    from alignpred.codec.budget import DEFAULT_EPS
+    from alignpred.codec import DEFAULT_EPS
 
     out = out or os.path.splitext(src)[0] + ".kvz"
     if target_kl is not None and eps is not None:

@@ -64,7 +64,7 @@ class Bank:
         manifest = {"format": FORMAT, "version": VERSION, "model": self.model, "signature": self.signature,
                     "config": self.config, "arrays": entries}
         mb = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-        return [MAGIC + struct.pack("<Q", len(mb)) + mb] + [memoryview(a).cast("B") for a in blobs]
+        return [MAGIC + struct.pack("<Q", len(mb)) + mb] + [a.reshape(-1).view(np.uint8).data for a in blobs]
 
     def to_bytes(self) -> bytes:
         return b"".join(self._canonical_parts())

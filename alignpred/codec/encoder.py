@@ -262,8 +262,10 @@ class Encoder(Chain):
                 progress(int(self.obj_rows[objs].sum()) / n_t)
             if self.n_obj <= CHOICE_OBJECTS:  # the sample is the cache: this tensor is final
                 models = self._models(hists[ti], zero[ti])
-                self._early["models"].append(models)
-                self._early["objects"].extend(self._objects(ti, q, 0, self.n_obj, 0, delta, zero, err, models))
+                early = self._early
+                assert early is not None  # set by encode() whenever the sample is the whole cache
+                early["models"].append(models)
+                early["objects"].extend(self._objects(ti, q, 0, self.n_obj, 0, delta, zero, err, models))
         return modes, delta, hists
 
     def _step_shape(self, norm_t) -> np.ndarray:
@@ -336,7 +338,8 @@ class Encoder(Chain):
             def run(jj):
                 return self._chunk(tensors, jj[0], jj[1], delta, zero, modes, emit)
 
-            results = list(self._pool.map(run, window)) if len(window) > 1 else [run(window[0])]
+            results = list(self._pool.map(run, window)) if self._pool is not None and len(window) > 1 else \
+                [run(jj) for jj in window]
             for (j0, j1), res in zip(window, results):
                 a = j0 * S
                 for ti, (e, h, q) in enumerate(res):

@@ -68,7 +68,7 @@ def _buffer(source):
         mv = memoryview(source)
         return (mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv), "<bytes>"
     if isinstance(source, np.ndarray):
-        return memoryview(np.ascontiguousarray(source).view(np.uint8).reshape(-1)), "<array>"
+        return np.ascontiguousarray(source).view(np.uint8).reshape(-1).data, "<array>"
     raise KvzError(f"cannot read a .kvz from a {type(source).__name__}: give a path, bytes, a memoryview or an mmap")
 
 
@@ -356,16 +356,18 @@ class KvzReader:
         """Yield ``(layer, key, value)`` layer by layer, in step with a forward pass. ``out``: a
         callable ``layer -> (key_buffer, value_buffer)`` or a dict of buffers by tensor name."""
         pending: dict = {}
-        fn = None
+        target = out
         if callable(out):
             bufs: dict = {}
 
-            def fn(name):
+            def by_name(name):
                 i, kind = int(name.split(".")[1]), name.split(".")[2]
                 if i not in bufs:
                     bufs[i] = out(i)
                 return bufs[i][0 if kind == "key" else 1]
-        for name, arr in self.iter_layers(tokens, layers, fn or out, tier):
+
+            target = by_name
+        for name, arr in self.iter_layers(tokens, layers, target, tier):
             i = int(name.split(".")[1])
             pending[name.split(".")[2]] = arr
             if len(pending) == 2:
