@@ -12,32 +12,24 @@ core; decode speed is the median of ``--repeats`` decodes.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-
-def _pin_threads(n: int) -> None:
-    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ[k] = str(n)
+from .harness import NO_EVAL, RESULTS, eval_caches, parser, pin_threads, resolve_bank, sample_caches, write_json
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("caches", nargs="*")
+    ap = parser(__doc__, caches="caches (default: data/eval/*.safetensors)",
+                out="results JSON", out_default=os.path.join(RESULTS, "acceptance.json"))
     ap.add_argument("--bank", default="gemma-3-270m", help="bank file or registry name (default: the bundled one)")
     ap.add_argument("--samples", action="store_true", help="run on the bundled samples (not the held-out eval set)")
     ap.add_argument("--eps", type=float, default=0.0267)
     ap.add_argument("--scopes", default="tensor,pooled")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="decode this many times, report the median")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "acceptance.json"))
     a = ap.parse_args(argv)
-    _pin_threads(a.threads)
+    pin_threads(a.threads)
 
-    import glob
-    import json
     import platform
     import tempfile
     import time
@@ -45,20 +37,17 @@ def main(argv=None):
     import numpy as np
 
     from alignpred import KvzReader, compress, load_cache
-    from alignpred.bank.registry import find as find_bank
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if a.caches:
         caches, dataset = a.caches, "given"
     elif a.samples:
-        caches, dataset = sorted(glob.glob(os.path.join(root, "samples", "gemma3-270m", "*.safetensors"))), "samples"
+        caches, dataset = sample_caches(), "samples"
     else:
-        caches, dataset = sorted(glob.glob(os.path.join(root, "data", "eval", "*.safetensors"))), "data/eval"
+        caches, dataset = eval_caches(), "data/eval"
         if not caches:
-            ap.error("no held-out caches in data/eval: make them with `python samples/make_samples.py --what eval` "
-                     "(needs the [model] extra), or pass --samples to run on the bundled samples")
+            ap.error(NO_EVAL + " (needs the [model] extra), or pass --samples to run on the bundled samples")
     print(f"data set: {dataset} ({len(caches)} caches)", flush=True)
-    bank = find_bank(a.bank)
+    bank = resolve_bank(a.bank)
     rows = []
     tmp = tempfile.mkdtemp()
     for path in caches:
@@ -105,9 +94,7 @@ def main(argv=None):
     res = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
                        "python": sys.version.split()[0]},
            "dataset": dataset, "bank_id": bank.id, "rows": rows, "summary": summary}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=2)
+    write_json(res, a.out, indent=2)
     print(f"wrote {a.out}")
     return res
 

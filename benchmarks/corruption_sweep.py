@@ -22,9 +22,6 @@ A position counts as detected if the reader raises a ``KvzError``. Usage::
 """
 from __future__ import annotations
 
-import argparse
-import glob
-import json
 import os
 import sys
 import tempfile
@@ -32,22 +29,11 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
-
-
-class _Mem:
-    """Serve files from memory to the reader (no disk I/O per corruption)."""
-
-    def __init__(self):
-        self.files = {}
-
-    def __call__(self, path):
-        return memoryview(self.files[os.fspath(path)])
+from .harness import WARM_SAMPLE, caches_in, parser, write_json
 
 
 def regions(raw: bytes) -> dict:
-    from alignpred.format.container import PREAMBLE_SIZE, parse_container
+    from alignpred.format import PREAMBLE_SIZE, parse_container
 
     p = parse_container(raw)
     pay_end = max((e.offset + e.length for e in p.index), default=PREAMBLE_SIZE)
@@ -61,71 +47,62 @@ def sweep(raw: bytes, bank=None, *, stride: int = 1, masks=(None,), decode_sampl
           progress: bool = False) -> dict:
     """Corrupt ``raw`` one byte at a time; returns per-region counts of tried/detected and the
     undetected positions. ``masks``: XOR values; ``None`` = one random non-zero mask per byte."""
-    import alignpred.format.reader as kf
     from alignpred import KvzError, KvzReader
 
-    mem = _Mem()
-    orig = kf.map_file
-    kf.map_file = mem
-    path = "<sweep>.kvz"
     rng = np.random.default_rng(seed)
     res = {}
-    try:
-        mem.files[path] = bytes(raw)
-        ref = KvzReader(path, bank=bank)
-        ref.verify()
-        reg = regions(raw)
-        # payload: which entry holds each byte
-        starts = np.array([e.offset for e in ref.index])
-        buf = bytearray(raw)
-        mem.files[path] = buf
-        payload_reader = KvzReader(path, bank=bank)
-        t0 = time.time()
-        for name, (a, b) in reg.items():
-            tried = detected = 0
-            missed = []
-            for i in range(a, b, stride):
-                for m in masks:
-                    mask = int(rng.integers(1, 256)) if m is None else m
+    # every reader reads the file from memory: ``buf`` itself (a bytearray is read without a copy)
+    ref = KvzReader(bytes(raw), bank=bank)
+    ref.verify()
+    reg = regions(raw)
+    # payload: which entry holds each byte
+    starts = np.array([e.offset for e in ref.index])
+    buf = bytearray(raw)
+    payload_reader = KvzReader(buf, bank=bank)
+    t0 = time.time()
+    for name, (a, b) in reg.items():
+        tried = detected = 0
+        missed = []
+        for i in range(a, b, stride):
+            for m in masks:
+                mask = int(rng.integers(1, 256)) if m is None else m
+                buf[i] ^= mask
+                try:
+                    if name == "payload":
+                        k = int(np.searchsorted(starts, i, side="right") - 1)
+                        payload_reader.verify([k])
+                    elif name == "bank":
+                        payload_reader.verify([], bank=True)
+                    else:
+                        KvzReader(buf, bank=bank).verify()
+                    missed.append((i, mask))
+                except KvzError:
+                    detected += 1
+                finally:
                     buf[i] ^= mask
-                    try:
-                        if name == "payload":
-                            k = int(np.searchsorted(starts, i, side="right") - 1)
-                            payload_reader.verify([k])
-                        elif name == "bank":
-                            payload_reader.verify([], bank=True)
-                        else:
-                            KvzReader(path, bank=bank).verify()
-                        missed.append((i, mask))
-                    except KvzError:
-                        detected += 1
-                    finally:
-                        buf[i] ^= mask
-                    tried += 1
-            res[name] = {"bytes": b - a, "tried": tried, "detected": detected, "undetected": missed[:20]}
-            if progress:
-                print(f"  {name:8s} {b - a:9d} bytes  {tried:9d} tried  {detected:9d} detected  "
-                      f"({time.time() - t0:.0f} s)", file=sys.stderr)
-        # the decode path: damaged payloads raise before anything is decoded
-        S = ref.config.object_size
-        dec_tried = dec_detected = 0
-        a, b = reg["payload"]
-        live = [k for k, e in enumerate(ref.index) if e.length]
-        for k in rng.choice(live, size=min(decode_samples, len(live)), replace=False) if live else []:
-            e = ref.index[int(k)]
-            i = e.offset + int(rng.integers(e.length))
+                tried += 1
+        res[name] = {"bytes": b - a, "tried": tried, "detected": detected, "undetected": missed[:20]}
+        if progress:
+            print(f"  {name:8s} {b - a:9d} bytes  {tried:9d} tried  {detected:9d} detected  "
+                  f"({time.time() - t0:.0f} s)", file=sys.stderr)
+    # the decode path: damaged payloads raise before anything is decoded
+    S = ref.config.object_size
+    dec_tried = dec_detected = 0
+    a, b = reg["payload"]
+    live = [k for k, e in enumerate(ref.index) if e.length]
+    for k in rng.choice(live, size=min(decode_samples, len(live)), replace=False) if live else []:
+        e = ref.index[int(k)]
+        i = e.offset + int(rng.integers(e.length))
+        buf[i] ^= 0xFF
+        try:
+            j = e.token_start // S
+            KvzReader(buf, bank=bank).read(tokens=(j * S, j * S + e.n_tokens), layers=e.tensor // 2 + 1)
+        except KvzError:
+            dec_detected += 1
+        finally:
             buf[i] ^= 0xFF
-            try:
-                j = e.token_start // S
-                KvzReader(path, bank=bank).read(tokens=(j * S, j * S + e.n_tokens), layers=e.tensor // 2 + 1)
-            except KvzError:
-                dec_detected += 1
-            finally:
-                buf[i] ^= 0xFF
-            dec_tried += 1
-        res["decode_path"] = {"tried": dec_tried, "detected": dec_detected}
-    finally:
-        kf.map_file = orig
+        dec_tried += 1
+    res["decode_path"] = {"tried": dec_tried, "detected": dec_detected}
     tot = sum(v["tried"] for k, v in res.items() if k != "decode_path")
     det = sum(v["detected"] for k, v in res.items() if k != "decode_path")
     res["total"] = {"tried": tot, "detected": det, "rate": det / tot if tot else 1.0}
@@ -133,23 +110,21 @@ def sweep(raw: bytes, bank=None, *, stride: int = 1, masks=(None,), decode_sampl
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sample", default=os.path.join(SAMPLES, "english-prose.safetensors"))
+    ap = parser(__doc__, json="write the result here")
+    ap.add_argument("--sample", default=WARM_SAMPLE)
     ap.add_argument("--embed", action="store_true", help="self-calibrated bank embedded in the file")
     ap.add_argument("--eps", type=float, default=0.03)
     ap.add_argument("--stride", type=int, default=1, help="corrupt every N-th byte")
     ap.add_argument("--masks", default="random", help="'random' (one per byte) or comma-separated XOR values")
     ap.add_argument("--decode-samples", type=int, default=10)
-    ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
-    sys.path.insert(0, ROOT)
     from alignpred import compress, fit_bank, load_cache
 
     cache = load_cache(args.sample)
     if args.embed:
         bank = fit_bank([cache], rank=16, rotations=False)
     else:
-        others = [p for p in sorted(glob.glob(os.path.join(os.path.dirname(args.sample), "*.safetensors")))
+        others = [p for p in caches_in(os.path.dirname(args.sample))
                   if os.path.abspath(p) != os.path.abspath(args.sample)]
         bank = fit_bank([load_cache(p) for p in others] or [cache], rank=16, rotations=False)
     with tempfile.TemporaryDirectory() as d:
@@ -170,9 +145,7 @@ def main(argv=None) -> int:
     print(f"detected {t['detected']} / {t['tried']} single-byte corruptions ({100 * t['rate']:.4f} %); "
           f"decode path {res['decode_path']['detected']} / {res['decode_path']['tried']}; {res['seconds']:.0f} s")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(res, args.json)
     return 0 if t["detected"] == t["tried"] and res["decode_path"]["detected"] == res["decode_path"]["tried"] else 1
 
 

@@ -24,7 +24,6 @@ processes on a shared machine inflate them less (``--wall`` for wall-clock time)
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import platform
@@ -32,16 +31,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvz.benchmarks.harness import ROOT, WARM_SAMPLE, bundled_bank, parser, sample_caches, write_json
 
-from kvz.benchmarks.run import BUNDLED_BANK as BANK  # noqa: E402  (the bundled bank file)
-
-SAMPLES = ROOT / "samples" / "gemma3-270m"
 EPS = 0.0267
 
 
@@ -66,21 +60,27 @@ def _interleaved(fns: dict, reps: int, inner: int) -> dict:
     return {k: float(np.median(v)) for k, v in res.items()}
 
 
+def _bank():
+    from alignpred import Bank
+
+    return Bank.load(bundled_bank())
+
+
 def _sources(cache, bank, blk):
-    from alignpred.bank.calibrate import block_samples
+    from alignpred.bank import block_samples
 
     return [np.ascontiguousarray(block_samples(cache, s) - bank.mean(s), np.float32) for s in bank.sources(blk)]
 
 
 # --------------------------------------------------------------------------------------------
 def precision(quick: bool) -> dict:
-    from alignpred import Bank, load_cache
-    from alignpred.bank.calibrate import block_samples
-    from alignpred.kernels.intmap import IntMap
+    from alignpred import load_cache
+    from alignpred.bank import block_samples
+    from alignpred.kernels import IntMap
 
-    bank = Bank.load(BANK)
+    bank = _bank()
     res = {"int_equalised": [], "int_plain": [], "float32_blas": []}
-    files = sorted(glob.glob(str(SAMPLES / "*.safetensors")))[: 1 if quick else None]
+    files = sample_caches()[: 1 if quick else None]
     for path in files:
         cache = load_cache(path)
         lay = cache.layout
@@ -120,11 +120,11 @@ def precision(quick: bool) -> dict:
 # --------------------------------------------------------------------------------------------
 def speed_child(reps: int) -> dict:
     """Runs in a child with OPENBLAS_NUM_THREADS=1."""
-    from alignpred import Bank, load_cache
-    from alignpred.kernels import intmap as im
+    from alignpred import load_cache
+    from alignpred.kernels import IntMap, map_predict
 
-    bank = Bank.load(BANK)
-    cache = load_cache(str(SAMPLES / "english-prose.safetensors"))
+    bank = _bank()
+    cache = load_cache(WARM_SAMPLE)
     out = {}
     n = 256
     for blk in ("K.5.0", "V.5.0"):
@@ -134,7 +134,7 @@ def speed_child(reps: int) -> dict:
         d = W.shape[0] // S
         m = W.shape[1]
         W32 = W.astype(np.float32)
-        M = im.IntMap(W, S)
+        M = IntMap(W, S)
         xq, xe = M.quantize(xs)
         buf = np.empty((n, m), np.float32)
 
@@ -147,7 +147,7 @@ def speed_child(reps: int) -> dict:
 
         t = _interleaved({
             "numpy_float32_matmul": blas,
-            "int_kernel_map_predict": lambda: im.map_predict(xq, xe, M.wp, M.w_exp, buf),
+            "int_kernel_map_predict": lambda: map_predict(xq, xe, M.wp, M.w_exp, buf),
             "quantize_rows_all_sources": lambda: M.quantize(xs, xq),
             "intmap_predict_total": lambda: M.predict(xs, buf),
         }, reps, 20)
@@ -177,12 +177,11 @@ def hash_child() -> dict:
 
     import ml_dtypes
 
-    from alignpred import Bank, load_cache
-    from alignpred.kernels.fused import fused_post
-    from alignpred.kernels.intmap import IntMap
+    from alignpred import load_cache
+    from alignpred.kernels import IntMap, fused_post
 
-    bank = Bank.load(BANK)
-    cache = load_cache(str(SAMPLES / "english-prose.safetensors"))
+    bank = _bank()
+    cache = load_cache(WARM_SAMPLE)
     h = hashlib.sha256()
     for blk in ("K.5.0", "V.5.0", "K.11.0", "V.11.0"):
         W = bank.map_factors(blk)[0]
@@ -226,7 +225,7 @@ def _child(mode: str, env_extra: dict, reps: int) -> dict:
 def fused_speed(reps: int) -> dict:
     import ml_dtypes
 
-    from alignpred.kernels.fused import fused_post, reference_post
+    from alignpred.kernels import fused_post, reference_post
 
     rng = np.random.default_rng(0)
     d, S = 256, 256
@@ -255,53 +254,35 @@ def fused_speed(reps: int) -> dict:
 
 
 def rans_speed(reps: int, quick: bool) -> dict:
-    """Decode the payloads of a real compressed sample (captured from the reader)."""
-    from alignpred import Bank, compress, entropy, load_cache
-    from alignpred.entropy import rans
+    """rANS decoding of the payloads of a real compressed sample, timed by the decoder's own
+    :class:`alignpred.StageTimer` (its ``entropy`` stage: one ``alignpred.entropy.decode`` call per
+    object payload) over ``reps`` whole-file reads; the median read gives the figures."""
+    from alignpred import DecoderSession, KvzReader, StageTimer, compress, load_cache
 
-    bank = Bank.load(BANK)
-    cache = load_cache(str(SAMPLES / "english-prose.safetensors"))
+    bank = _bank()
+    cache = load_cache(WARM_SAMPLE)
+    timer = StageTimer()
+    session = DecoderSession(timer=timer)
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "x.kvz")
-        compress(cache, p, eps=EPS, bank=bank)
-        rec = []
-        orig = entropy.decode
-
-        def spy(buf, ids, shape, coder="rans4", out=None):
-            rec.append((np.frombuffer(bytes(buf), np.uint8).copy(), np.asarray(ids).copy(), tuple(shape), coder))
-            return orig(buf, ids, shape, coder, out=out)
-
-        from alignpred import KvzReader
-
-        entropy.decode = spy
-        try:
-            KvzReader(p, bank=bank).read()
-        finally:
-            entropy.decode = orig
-    t = entropy._load_tables()
-    items = []
-    for raw, ids, shape, coder in rec:
-        if coder != "rans4":
-            continue
-        items.append((raw.view("<u4").astype(np.uint32), entropy._as_ids(ids, shape[0], ValueError),
-                      np.empty(shape, np.int32)))
-    nsym = sum(o.size for *_, o in items)
-
-    def run():
-        for w, ids, o in items:
-            rans.decode_kernel(w, ids, t.coarse, t.cumhi, t.packed, t.base, t.nbits, o)
-
-    sec = _interleaved({"decode_kernel": run}, reps, 1)["decode_kernel"]
-    return {"payloads": len(items), "symbols": int(nsym), "bytes": int(sum(w.nbytes for w, *_ in items)),
-            "Msymbols_per_s": nsym / sec / 1e6, "ns_per_symbol": sec / nsym * 1e9}
+        info = compress(cache, p, eps=EPS, bank=bank)
+        KvzReader(p, bank=bank, session=session, threads=1).read()  # warm
+        runs = []
+        for _ in range(max(1, reps)):
+            timer.reset()
+            KvzReader(p, bank=bank, session=session, threads=1).read()
+            runs.append((timer.seconds["entropy"], timer.calls["entropy"]))
+    sec, calls = sorted(runs)[len(runs) // 2]
+    nsym = cache.layout.n_values  # every value is one symbol (objects coded as all-zero have none: an upper bound)
+    return {"payloads": int(calls), "symbols": int(nsym), "bytes": int(info.file_bytes),
+            "Msymbols_per_s": nsym / sec / 1e6, "ns_per_symbol": sec / nsym * 1e9,
+            "timed": "entropy stage of KvzReader.read (StageTimer)"}
 
 
 # --------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap = parser(__doc__, out="write the results as JSON here", quick="one sample file for the precision table")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--quick", action="store_true", help="one sample file for the precision table")
     ap.add_argument("--wall", action="store_true", help="time with perf_counter instead of thread CPU time")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -387,8 +368,7 @@ def main(argv=None) -> int:
         print("  skipped:", repr(e))
 
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=2))
+        write_json(res, a.out, indent=2)
         print("wrote", a.out)
     return 0
 

@@ -23,28 +23,9 @@ Threads: one (pinned before numpy loads), so the figures are per core.
 """
 from __future__ import annotations
 
-import argparse
-import glob
-import json
 import os
-import sys
-import time
 
-
-def _pin(n: int) -> None:
-    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ[k] = str(n)
-
-
-def _median_time(fn, repeats: int) -> float:
-    import numpy as np
-
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+from .harness import RESULTS, command_line, default_caches, median_time, parser, pin_threads, resolve_bank, write_json
 
 
 def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int = 1) -> dict:
@@ -66,8 +47,8 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int 
     r.read()  # warm up (kernels compiled, plans built)
     res = {"cache": os.path.basename(path), "tokens": T, "n_values": lay.n_values, "file_bytes": len(blob),
            "bpv": 8 * len(blob) / lay.n_values}
-    res["whole_s"] = _median_time(r.read, repeats)
-    res["whole_into_s"] = _median_time(lambda: r.read_into(bufs), repeats)
+    res["whole_s"] = median_time(r.read, repeats)
+    res["whole_into_s"] = median_time(lambda: r.read_into(bufs), repeats)
     starts = list(range(0, T, chunk))
 
     def ranges():
@@ -75,7 +56,7 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int 
             b = min(T, a + chunk)
             r.read_into({n: bufs[n][:, a:b] for n in names}, tokens=(a, b))
 
-    res["ranges_s"] = _median_time(ranges, repeats)
+    res["ranges_s"] = median_time(ranges, repeats)
     # separate chunk files, as a chunk store holds them
     files = []
     for a in starts:
@@ -90,7 +71,7 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int 
             KvzReader(data, session=session, threads=threads).read_into({n: bufs[n][:, a:b] for n in names})
 
     chunk_files()
-    res["chunk_files_s"] = _median_time(chunk_files, repeats)
+    res["chunk_files_s"] = median_time(chunk_files, repeats)
     res["chunk_files_bytes"] = sum(len(f[2]) for f in files)
     for k in ("whole", "whole_into", "ranges", "chunk_files"):
         res[f"{k}_mvps"] = lay.n_values / res[f"{k}_s"] / 1e6
@@ -123,24 +104,19 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("caches", nargs="*")
+    ap = parser(__doc__, caches="caches (default: data/eval/*.safetensors, else the bundled samples)",
+                out="results JSON", out_default=os.path.join(RESULTS, "loader.json"))
     ap.add_argument("--bank", default="gemma-3-270m")
     ap.add_argument("--eps", type=float, default=0.0267)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loader.json"))
     a = ap.parse_args(argv)
-    _pin(a.threads)
+    pin_threads(a.threads)
     from alignpred import KvzError
-    from alignpred.bank.registry import find as find_bank
-    from alignpred.io import atomic_write
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    caches = a.caches or sorted(glob.glob(os.path.join(root, "data", "eval", "*.safetensors"))) \
-        or sorted(glob.glob(os.path.join(root, "samples", "gemma3-270m", "*.safetensors")))
-    bank = find_bank(a.bank)
+    caches = default_caches(a.caches)
+    bank = resolve_bank(a.bank)
     rows = []
     print(f"{'cache':<28} {'tokens':>6} {'whole':>7} {'into':>7} {'ranges':>7} {'chunks':>7}  Mvalues/s; "
           f"{'rng/whole':>9} {'chk/whole':>9} {'ms/chunk':>8} {'mem slope/raw':>13}")
@@ -155,10 +131,9 @@ def main(argv=None):
               f"{row['ranges_mvps']:7.1f} {row['chunk_files_mvps']:7.1f}  {'':10} {row['ranges_vs_whole']:9.2f} "
               f"{row['chunk_files_vs_whole']:9.2f} {row['overhead_per_chunk_ms']:8.2f} {m['slope_over_raw']:13.2f}",
               flush=True)
-    res = {"command": "python -m kvz.benchmarks.loader " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res = {"command": command_line("loader", argv),
            "eps": a.eps, "chunk": a.chunk, "threads": a.threads, "bank_id": bank.id, "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    atomic_write(a.out, [json.dumps(res, indent=2).encode()])
+    write_json(res, a.out, indent=2)
     print(f"wrote {a.out}")
     return res
 

@@ -11,12 +11,10 @@ tensors: zstd -19 (plain and byte-shuffled) and pcodec (``benchmarks/baselines/l
 """
 from __future__ import annotations
 
-import argparse
-import glob
-import json
 import os
-import sys
 import time
+
+from .harness import RESULTS, command_line, default_caches, parser, write_json
 
 
 def run(paths, eps_list, bank="gemma-3-270m") -> list[dict]:
@@ -60,16 +58,12 @@ def run(paths, eps_list, bank="gemma-3-270m") -> list[dict]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("caches", nargs="*")
+    ap = parser(__doc__, caches="caches (default: data/eval/*.safetensors, else the bundled samples)",
+                json="results JSON", json_default=os.path.join(RESULTS, "lossless.json"))
     ap.add_argument("--eps", default="0.004,0.01,0.0267", help="coarse-tier eps values (comma-separated)")
     ap.add_argument("--bank", default="gemma-3-270m")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                   "lossless.json"))
     a = ap.parse_args(argv)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = a.caches or sorted(glob.glob(os.path.join(root, "data", "eval", "*.safetensors"))) \
-        or sorted(glob.glob(os.path.join(root, "samples", "gemma3-270m", "*.safetensors")))
+    paths = default_caches(a.caches)
     rows = run(paths, [float(x) for x in a.eps.split(",")], a.bank)
     summary = {}
     for m in sorted({r["method"] + (f"@{r['eps_coarse']}" if "eps_coarse" in r else "") for r in rows}):
@@ -79,11 +73,8 @@ def main(argv=None):
             summary[m]["coarse_bpv_mean"] = sum(r["coarse_bpv"] for r in sel) / len(sel)
     for m, s in summary.items():
         print(f"{m:<28} mean {s['bpv_mean']:.3f} bpv" + (f" (coarse {s['coarse_bpv_mean']:.3f})" if "coarse_bpv_mean" in s else ""))
-    from alignpred.io import atomic_write
-
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    atomic_write(a.json, [json.dumps({"command": "python -m kvz.benchmarks.lossless " + " ".join(argv or sys.argv[1:]),
-                                      "rows": rows, "summary": summary}, indent=2).encode()])
+    write_json({"command": command_line("lossless", argv or None), "rows": rows, "summary": summary}, a.json,
+               indent=2)
     print(f"wrote {a.json}")
 
 

@@ -20,21 +20,28 @@ Needs the 2,048-token caches: ``python samples/make_samples.py --what calib`` an
 """
 from __future__ import annotations
 
-import argparse
-import glob
-import json
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .harness import (
+    CALIB_DIR,
+    RESULTS,
+    caches_in,
+    command_line,
+    display_path,
+    eval_caches,
+    parser,
+    stem,
+    write_json,
+    write_text,
+)
 
 
 def variants(layout) -> dict[str, dict[str, list[str]]]:
     """Source sets per variant (one head per layer is all Gemma 3 270M has; earlier heads of the
     layer, which the default also uses for multi-head models, are kept as they are)."""
-    from alignpred.bank.calibrate import default_sources
+    from alignpred.bank import default_sources
 
     base = default_sources(layout)
     out = {"default": base}
@@ -60,24 +67,22 @@ def macs_per_value(layout, sources) -> float:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, out="results JSON (a .md beside it)", out_default=os.path.join(RESULTS, "map_sources.json"))
     ap.add_argument("--calib", nargs="*", help="calibration caches (default: data/calib/*.safetensors)")
     ap.add_argument("--eval", nargs="*", help="evaluation caches (default: data/eval/*.safetensors)")
     ap.add_argument("--eps", type=float, default=0.0267)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "map_sources.json"))
     a = ap.parse_args(argv)
     from alignpred import KvzError, KvzReader, compress_bytes, fit_bank, load_cache
-    from alignpred.io import atomic_write
 
-    calib = a.calib or sorted(glob.glob(os.path.join(ROOT, "data", "calib", "*.safetensors")))
-    evals = a.eval or sorted(glob.glob(os.path.join(ROOT, "data", "eval", "*.safetensors")))
+    calib = a.calib or caches_in(CALIB_DIR)
+    evals = a.eval or eval_caches()
     if not calib or not evals:
         ap.error("needs calibration and evaluation caches: python samples/make_samples.py --what calib "
                  "(and --what eval), or pass --calib/--eval")
     try:
         cal = [load_cache(p) for p in calib]
-        ev = [(os.path.splitext(os.path.basename(p))[0], load_cache(p)) for p in evals]
+        ev = [(stem(p), load_cache(p)) for p in evals]
     except KvzError as e:
         ap.error(str(e))
     lay = ev[0][1].layout
@@ -109,9 +114,9 @@ def main(argv=None) -> dict:
         del r["_blobs"], r["_bank"]
     for r in rows:
         r["decode_vs_default"] = r["decode_mvps"] / base["decode_mvps"]
-    res = {"command": "python -m kvz.benchmarks.map_sources " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res = {"command": command_line("map_sources", argv),
            "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "eps": a.eps, "scope": "tensor",
-           "calib": [os.path.relpath(p, ROOT) for p in calib], "eval": [n for n, _ in ev],
+           "calib": [display_path(p) for p in calib], "eval": [n for n, _ in ev],
            "repeats": a.repeats, "threads": 1, "rows": rows}
     lines = ["# Map sources: bits vs decode multiply-adds", "",
              f"`{res['command'].strip()}` — {res['created']}; banks fitted on {len(calib)} calibration caches, "
@@ -125,9 +130,8 @@ def main(argv=None) -> dict:
     lines += ["", "bpv per cache: " + "; ".join(
         f"{r['variant']}: " + ", ".join(f"{n} {v:.4f}" for n, v in r["bpv"].items()) for r in rows), ""]
     print("\n".join(lines[4:4 + len(rows) + 2]))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    atomic_write(a.out, [json.dumps(res, indent=2).encode()])
-    atomic_write(os.path.splitext(a.out)[0] + ".md", ["\n".join(lines).encode()])
+    write_json(res, a.out, indent=2)
+    write_text(os.path.splitext(a.out)[0] + ".md", "\n".join(lines))
     print(f"wrote {a.out}")
     return res
 

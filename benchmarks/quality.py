@@ -33,11 +33,7 @@ Run standalone::
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import glob
-import inspect
-import json
 import math
 import os
 import sys
@@ -48,12 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-TEXT_SOURCES = {
-    "eval": ("samples/texts/*.txt", "samples/texts/eval/*.txt"),
-    "calib": ("samples/gemma3-270m/calib_texts/*.txt",),
-}
-MAX_PROMPT_TOKENS = 500  # default HF cache keeps the last 511 positions of sliding layers; stay below
+from .harness import parser, write_json, write_text
+from .lm import bf16, extract, forward_logits, greedy, kv_nrmse, log_softmax64, model, prefill, to_bf16
+from .prompts import MAX_PROMPT_TOKENS, default_prompts
 
 __all__ = ["KV", "Setting", "run_quality", "default_prompts", "kvz_setting", "fp8_setting", "int4_setting",
            "identity_setting", "partial_setting", "quality_matched_rate", "format_table", "default_settings",
@@ -96,18 +89,6 @@ class Setting:
         return {"method": self.method, "eps": self.eps, "role": self.role, **self.desc}
 
 
-def _bf16():
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def _to_bf16(y) -> np.ndarray:
-    """Cast a reconstruction to bfloat16 the way a real store would (float32 detour)."""
-    y = np.asarray(y)
-    return y if y.dtype == _bf16() else y.astype(np.float32).astype(_bf16())
-
-
 def identity_setting(precision: str = "fp32") -> Setting:
     """``"fp32"``: the model's own float32 K/V (must reproduce the full run exactly); ``"bf16"``: the bf16 cast."""
     if precision not in ("fp32", "bf16"):
@@ -124,104 +105,45 @@ def identity_setting(precision: str = "fp32") -> Setting:
     return Setting(fn, "identity" if precision == "fp32" else "bf16", precision=precision)
 
 
-# -- FP8 / INT4: reuse benchmarks.baselines when present, small local versions otherwise -------------------------
+# -- FP8 / INT4: the codecs of kvz.benchmarks.baselines, decoded back to bf16 -----------------------------------
 
-def _fp8_local(x: np.ndarray):
-    import ml_dtypes
+def baseline_setting_fixed(codec_name: str, knob, impl: str, method: str, **desc) -> Setting:
+    """Every tensor through the baseline ``codec_name`` at ``knob``, decoded back to bf16; bpv from its bits."""
+    from kvz.benchmarks.baselines import BASELINES
 
-    dt = np.dtype(ml_dtypes.float8_e4m3fn)
-    mx = float(ml_dtypes.finfo(dt).max)
-    x32 = x.astype(np.float32)
-    amax = float(np.abs(x32).max()) if x32.size else 0.0
-    scale = np.float32(amax / mx if amax > 0 else 1.0)
-    q = np.clip(x32 / scale, -mx, mx).astype(dt)
-    return q.astype(np.float32) * scale, x.size * 8 + 32
-
-
-def _kivi_local(x: np.ndarray, is_key: bool, bits: int, G: int):
-    x32 = x.astype(np.float32)
-    xt = np.swapaxes(x32, -1, -2) if is_key else x32  # keys: groups along tokens (per channel)
-    n = xt.shape[-1]
-    G = min(G, n)
-    pad = (-n) % G
-    if pad:
-        xt = np.concatenate([xt, np.repeat(xt[..., -1:], pad, axis=-1)], axis=-1)
-    g = xt.reshape(*xt.shape[:-1], -1, G)
-    mn, mxv = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
-    levels = (1 << bits) - 1
-    zero = mn.astype(np.float16).astype(np.float32)
-    scale = ((mxv - mn) / levels).astype(np.float16).astype(np.float32)
-    q = np.clip(np.rint((g - zero) / np.where(scale > 0, scale, 1.0)), 0, levels)
-    y = (q * scale + zero).reshape(*xt.shape[:-1], -1)[..., :n]
-    y = np.swapaxes(y, -1, -2) if is_key else y
-    return y, x.size * bits + 32 * scale.size
-
-
-def _baseline_codec(name: str):
-    try:
-        from kvz.benchmarks.baselines import BASELINES
-
-        return BASELINES[name]
-    except Exception:
-        return None
-
-
-def _run_codec(codec, name, x):
-    enc = codec.encode(name, x, getattr(codec, "_q_knob", None), {})
-    return codec.decode(name, enc, x.shape, {}), enc.bits
-
-
-def fp8_setting() -> Setting:
-    """FP8 e4m3 with a per-tensor float32 scale (amax / 448), decoded back to bf16."""
-    codec = _baseline_codec("fp8_e4m3")
+    codec = BASELINES[codec_name]
 
     def fn(kv, info):
         out, bits, n = {}, 0, 0
         for name, x in kv.items():
-            if codec is not None:
-                enc = codec.encode(name, x, None, {})
-                y, b = codec.decode(name, enc, x.shape, {}), enc.bits
-            else:
-                y, b = _fp8_local(x)
-            out[name] = _to_bf16(y)
-            bits += b
+            enc = codec.encode(name, x, knob, {})
+            out[name] = to_bf16(codec.decode(name, enc, x.shape, {}))
+            bits += enc.bits
             n += x.size
         info["bpv"] = bits / n
-        info["impl"] = "kvz.benchmarks.baselines.fp8" if codec is not None else "local"
+        info["impl"] = impl
         return out
 
-    return Setting(fn, "fp8", dtype="e4m3", scale="per-tensor")
+    return Setting(fn, method, **desc)
+
+
+def fp8_setting() -> Setting:
+    """FP8 e4m3 with a per-tensor float32 scale (amax / 448), decoded back to bf16."""
+    return baseline_setting_fixed("fp8_e4m3", None, "kvz.benchmarks.baselines.fp8", "fp8", dtype="e4m3",
+                                  scale="per-tensor")
 
 
 def int4_setting(group: int = 32) -> Setting:
     """KIVI-style INT4: keys per channel (groups of ``group`` tokens), values per token (groups of channels),
     fp16 scale + zero per group; the whole cache is quantized (no full-precision recent window)."""
-    codec = _baseline_codec("kivi_int4")
-
-    def fn(kv, info):
-        out, bits, n = {}, 0, 0
-        for name, x in kv.items():
-            if codec is not None:
-                enc = codec.encode(name, x, group, {})
-                y, b = codec.decode(name, enc, x.shape, {}), enc.bits
-            else:
-                y, b = _kivi_local(x, name.endswith("key"), 4, group)
-            out[name] = _to_bf16(y)
-            bits += b
-            n += x.size
-        info["bpv"] = bits / n
-        info["impl"] = "kvz.benchmarks.baselines.kivi" if codec is not None else "local"
-        return out
-
-    return Setting(fn, "int4", group=group)
+    return baseline_setting_fixed("kivi_int4", group, "kvz.benchmarks.baselines.kivi", "int4", group=group)
 
 
 def kvz_setting(bank, eps: float, scope: str = "tensor", **kw) -> Setting:
     """kvz compress + decompress through a temporary .kvz file; records bpv (file bytes) and kvz's own NRMSE.
     ``bank`` is an :class:`alignpred.Bank` or a path; extra keywords go to :func:`alignpred.compress`."""
-    from alignpred import Bank, KvzReader, compress
-    from alignpred.cache.cachefile import Cache
-    from alignpred.cache.layout import infer_layout
+    from alignpred import Bank, Cache, KvzReader, compress
+    from alignpred.cache import infer_layout
 
     if isinstance(bank, (str, os.PathLike)):
         bank = Bank.load(bank)
@@ -271,167 +193,6 @@ def partial_setting(base: Setting, keys: bool = True, values: bool = True, prote
                    protect_tokens=protect_tokens, **{k: v for k, v in base.desc.items() if k == "scope"})
 
 
-# ============================================================================ prompts
-
-def _text_files(sources) -> list[tuple[str, Path]]:
-    if isinstance(sources, str):
-        sources = ("eval", "calib") if sources == "all" else (sources,)
-    out = []
-    for split in sources:
-        if split not in TEXT_SOURCES:
-            raise ValueError(f"unknown text source {split!r}; use {', '.join(TEXT_SOURCES)} or 'all'")
-        for pat in TEXT_SOURCES[split]:
-            out += [(split, Path(p)) for p in sorted(glob.glob(str(ROOT / pat)))]
-    return out
-
-
-def default_prompts(n: int = 20, tokens: int = 256, *, sources="eval", tokenizer=None) -> list[dict]:
-    """``n`` prompts of ``tokens`` tokens (BOS + a window of ``tokens - 1`` document tokens), spread round-robin
-    over the documents of ``sources`` (``"eval"``: samples/texts/*.txt and samples/texts/eval/* - held out from
-    calibration; ``"calib"``: samples/gemma3-270m/calib_texts/*; ``"all"``); windows of one document are evenly
-    spaced and do not overlap when the document is long enough.  Returns dicts with ``kind`` (document name),
-    ``source`` (repo-relative path), ``split``, ``start`` (token offset in the document) and ``token_ids``."""
-    if not 2 <= tokens <= MAX_PROMPT_TOKENS:
-        raise ValueError(f"tokens must be in 2..{MAX_PROMPT_TOKENS} (sliding layers keep 511 positions)")
-    if n < 1:
-        raise ValueError("n must be >= 1")
-    if tokenizer is None:
-        tokenizer = _model()[1]
-    files = _text_files(sources)
-    if not files:
-        raise FileNotFoundError(f"no texts for sources {sources!r} under {ROOT}")
-    docs = []
-    for split, p in files:
-        ids = list(tokenizer(p.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"])
-        bos = tokenizer.bos_token_id
-        if ids and ids[0] == bos:
-            ids = ids[1:]
-        docs.append((split, p, ids))
-    per = [n // len(docs) + (1 if i < n % len(docs) else 0) for i in range(len(docs))]
-    w = tokens - 1
-    prompts_by_doc = []
-    for (split, p, ids), k in zip(docs, per):
-        if k == 0:
-            prompts_by_doc.append([])
-            continue
-        if len(ids) < w:
-            raise ValueError(f"{p} has {len(ids)} tokens, fewer than the {w} a window needs")
-        span = len(ids) - w
-        # evenly spaced from the document's start to its end (disjoint when span >= (k - 1) * w)
-        starts = [round(i * span / (k - 1)) for i in range(k)] if k > 1 else [0]
-        rel = str(p.relative_to(ROOT))
-        prompts_by_doc.append([{"kind": p.stem, "source": rel, "split": split, "start": s,
-                                "token_ids": [tokenizer.bos_token_id] + ids[s:s + w]} for s in starts])
-    out = []
-    for r in range(max(per)):  # round-robin so a prefix of the list still covers every kind
-        out += [ps[r] for ps in prompts_by_doc if r < len(ps)]
-    return out
-
-
-# ============================================================================ the model
-
-_MODEL = None
-
-
-def _model():
-    global _MODEL
-    if _MODEL is None:
-        import torch
-
-        from kvz.integrations.hf.gemma import load_gemma
-
-        torch.set_num_threads(min(2, os.cpu_count() or 1) if "KVZ_THREADS" not in os.environ
-                              else int(os.environ["KVZ_THREADS"]))
-        _MODEL = load_gemma("cpu")
-    return _MODEL
-
-
-def _cache_kw(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _text_config(model):
-    cfg = model.config
-    return getattr(cfg, "text_config", None) or cfg
-
-
-def _new_cache(model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=_text_config(model))
-
-
-def _extract(cache, n_layers) -> dict:
-    """float32 numpy K/V ``{layers.i.key: [kv_heads, T, head_dim]}`` of a (non-overflowed) DynamicCache."""
-    out = {}
-    for i in range(n_layers):
-        layer = cache.layers[i]
-        out[f"layers.{i}.key"] = layer.keys[0].detach().to("cpu").float().numpy().copy()
-        out[f"layers.{i}.value"] = layer.values[0].detach().to("cpu").float().numpy().copy()
-    return out
-
-
-def inject(model, tensors: dict):
-    """A fresh model cache holding ``tensors`` (any float dtype, ``[kv_heads, T, head_dim]``), fed through each
-    layer's own ``update()`` so sliding layers keep what they would keep after a real prefill."""
-    import torch
-
-    cfg = _text_config(model)
-    cache = _new_cache(model)
-    dtype = next(model.parameters()).dtype
-    for i in range(cfg.num_hidden_layers):
-        k = torch.from_numpy(np.asarray(tensors[f"layers.{i}.key"], dtype=np.float32))[None].to(dtype)
-        v = torch.from_numpy(np.asarray(tensors[f"layers.{i}.value"], dtype=np.float32))[None].to(dtype)
-        cache.update(k, v, i)
-    return cache
-
-
-def _prefill(model, ids):
-    import torch
-
-    cache = _new_cache(model)
-    base = getattr(model, "model", model)
-    base(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=True, **{_cache_kw(base): cache})
-    return cache
-
-
-def _forward_logits(model, cache, ids):
-    import torch
-
-    out = model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=True, **{_cache_kw(model): cache})
-    return out.logits[0]
-
-
-def _greedy(model, cache, first, n, stop_at=None):
-    """Greedy decode ``n`` tokens after feeding ``first``; with ``stop_at`` (the reference continuation) stop at
-    the first token that differs.  Returns the generated tokens."""
-    toks, cur = [], first
-    for t in range(n):
-        logits = _forward_logits(model, cache, [cur])[-1]
-        cur = int(logits.argmax())
-        toks.append(cur)
-        if stop_at is not None and cur != stop_at[t]:
-            break
-    return toks
-
-
-def _log_softmax64(logits):
-    return logits.double().log_softmax(-1)
-
-
-def _nrmse(ref: dict, rec: dict) -> tuple[float, float]:
-    te = tn = 0.0
-    mx = 0.0
-    for k, x in ref.items():
-        x64 = np.asarray(x, dtype=np.float64)
-        d = np.asarray(rec[k], dtype=np.float64) - x64
-        e, n = float(np.vdot(d, d)), float(np.vdot(x64, x64))
-        te, tn = te + e, tn + n
-        mx = max(mx, math.sqrt(e / n) if n > 0 else 0.0)
-    return (math.sqrt(te / tn) if tn > 0 else 0.0), mx
-
-
 # ============================================================================ the benchmark
 
 def run_quality(settings: dict, prompts: list | None = None, n_prompts: int = 20, prompt_tokens: int = 256,
@@ -448,6 +209,7 @@ def run_quality(settings: dict, prompts: list | None = None, n_prompts: int = 20
     """
     import torch
 
+    from kvz.integrations.hf.bridge import cache_from_kv, text_config
     from kvz.integrations.hf.gemma import cache_metadata, layer_info
 
     if free_run not in ("tf", "steps"):
@@ -455,14 +217,14 @@ def run_quality(settings: dict, prompts: list | None = None, n_prompts: int = 20
     if new_tokens < 1:
         raise ValueError("new_tokens must be >= 1")
     t_start = time.perf_counter()
-    model, tok = _model()
+    lm, tok = model()
     t_load = time.perf_counter() - t_start
     if prompts is None:
         prompts = default_prompts(n_prompts, prompt_tokens, sources=sources, tokenizer=tok)
-    cfg = _text_config(model)
+    cfg = text_config(lm)
     n_layers = cfg.num_hidden_layers
     layer_types, thetas = layer_info(cfg)
-    bf16 = _bf16()
+    b16 = bf16()
 
     cfg_out = {"n_prompts": len(prompts), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
                "free_run": free_run, "kv_dtype": "bfloat16",
@@ -481,24 +243,24 @@ def run_quality(settings: dict, prompts: list | None = None, n_prompts: int = 20
             if not 2 <= len(ids) <= MAX_PROMPT_TOKENS + 1:
                 raise ValueError(f"prompt {pi}: {len(ids)} tokens; use 2..{MAX_PROMPT_TOKENS}")
             t0 = time.perf_counter()
-            live = _prefill(model, ids[:-1])
-            fp32 = _extract(live, n_layers)
+            live = prefill(lm, ids[:-1])
+            fp32 = extract(live, n_layers)
             t_pre = time.perf_counter() - t0
             live_tf = copy.deepcopy(live)
             t0 = time.perf_counter()
-            cont = _greedy(model, live, ids[-1], new_tokens)
+            cont = greedy(lm, live, ids[-1], new_tokens)
             t_greedy = time.perf_counter() - t0
             del live
             path = [ids[-1]] + cont[:-1]
             t0 = time.perf_counter()
-            ref_lp = _log_softmax64(_forward_logits(model, live_tf, path))
+            ref_lp = log_softmax64(forward_logits(lm, live_tf, path))
             del live_tf
             ref_p = ref_lp.exp()
             ref_top = ref_lp.argmax(-1)
             cont_t = torch.tensor(cont)
             t_tf = time.perf_counter() - t0
             meta = cache_metadata(layer_types, thetas, ids[:-1], pr.get("source", "prompt"))
-            kv = KV({k: v.astype(bf16) for k, v in fp32.items()}, fp32=fp32, metadata=meta)
+            kv = KV({k: v.astype(b16) for k, v in fp32.items()}, fp32=fp32, metadata=meta)
             pm = {k: v for k, v in pr.items() if k != "token_ids"}
             pm.update(n_tokens=len(ids), continuation=cont,
                       ref_tf_matches_greedy=bool((ref_top == cont_t).all()),
@@ -509,9 +271,9 @@ def run_quality(settings: dict, prompts: list | None = None, n_prompts: int = 20
                 rec = restore(kv)
                 info = dict(getattr(restore, "info", {}) or {})
                 t_restore = time.perf_counter() - ts
-                nr_pool, nr_max = _nrmse(kv, rec)
-                nr_pool32, nr_max32 = _nrmse(fp32, rec)
-                lp = _log_softmax64(_forward_logits(model, inject(model, rec), path))
+                nr_pool, nr_max = kv_nrmse(kv, rec)
+                nr_pool32, nr_max32 = kv_nrmse(fp32, rec)
+                lp = log_softmax64(forward_logits(lm, cache_from_kv(lm, rec), path))
                 kl = (ref_p * (ref_lp - lp)).sum(-1).clamp_min(0.0)
                 top = lp.argmax(-1)
                 miss = (top != cont_t).nonzero()
@@ -521,7 +283,7 @@ def run_quality(settings: dict, prompts: list | None = None, n_prompts: int = 20
                        "identical": first_div == new_tokens, "nrmse_pooled": nr_pool, "nrmse_max": nr_max,
                        "nrmse_pooled_fp32": nr_pool32, "nrmse_max_fp32": nr_max32, **info}
                 if free_run == "steps":
-                    gen = _greedy(model, inject(model, rec), ids[-1], new_tokens, stop_at=cont)
+                    gen = greedy(lm, cache_from_kv(lm, rec), ids[-1], new_tokens, stop_at=cont)
                     d = next((t for t, (a, b) in enumerate(zip(gen, cont)) if a != b), new_tokens)
                     row["first_div_tf"] = first_div
                     row["first_div"] = d
@@ -705,22 +467,8 @@ def default_settings(bank, eps_list, scope="tensor", breakdown_eps=None, breakdo
     return s
 
 
-def _json_default(o):
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, np.bool_):
-        return bool(o)
-    raise TypeError(type(o))
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=_json_default))
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvz.benchmarks.quality", description=__doc__.split("\n")[0])
+    ap = parser(__doc__, prog="python -m kvz.benchmarks.quality", quiet=True)
     ap.add_argument("--bank", required=True, help="calibration bank (.h5)")
     ap.add_argument("--eps", default="0.01,0.0267,0.05", help="comma-separated kvz eps values")
     ap.add_argument("--scope", default="tensor", choices=("tensor", "pooled"))
@@ -732,7 +480,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--int4-group", type=int, default=32)
     ap.add_argument("--out", required=True, help="output directory (quality.json, quality.md)")
-    ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     eps = [float(x) for x in a.eps.split(",") if x.strip()]
     settings = default_settings(a.bank, eps, a.scope, breakdown=not a.no_breakdown, int4_group=a.int4_group)
@@ -742,17 +489,17 @@ def main(argv=None) -> int:
 
     def checkpoint(partial):
         partial["config"].update(extra, partial=True)
-        _write_json(out / "quality.partial.json", partial)
-        (out / "quality.partial.md").write_text(format_table(partial) + "\n")
+        write_json(partial, out / "quality.partial.json")
+        write_text(out / "quality.partial.md", format_table(partial) + "\n")
 
     res = run_quality(settings, n_prompts=a.prompts, prompt_tokens=a.tokens, new_tokens=a.new_tokens,
                       progress=not a.quiet, free_run=a.free_run, sources=a.sources, on_prompt=checkpoint)
     res["config"].update(extra)
-    _write_json(out / "quality.json", res)
+    write_json(res, out / "quality.json")
     for f in ("quality.partial.json", "quality.partial.md"):
         (out / f).unlink(missing_ok=True)
     table = format_table(res)
-    (out / "quality.md").write_text(table + "\n")
+    write_text(out / "quality.md", table + "\n")
     print(table)
     t = res["timing"]
     print(f"\n{len(res['prompts'])} prompts x {a.new_tokens} tokens; total {t['total_s']:.0f}s "

@@ -335,7 +335,7 @@ def _agg(rows, key):
 def run(args) -> dict:
     import torch
 
-    from kvz.benchmarks.run import limit_threads
+    from kvz.benchmarks.harness import limit_threads
     from kvz.integrations.hf.bridge import cache_kwarg, kv_shape
     from kvz.integrations.hf.gemma import load_gemma
 

@@ -22,11 +22,9 @@ Results go to ``OUT/results.json``; :mod:`kvz.benchmarks.report` turns them into
 """
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -34,11 +32,20 @@ from dataclasses import asdict
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
-BUNDLED_BANK = os.path.join(os.path.dirname(os.path.abspath(__import__("alignpred").__file__)), "bank", "data",
-                            "gemma-3-270m.h5")
-CALIB_DIR = os.path.join(ROOT, "data", "calib")
+from .harness import (
+    CALIB_DIR,
+    bundled_bank,
+    caches_in,
+    code_revision,
+    display_path,
+    limit_threads,
+    loadavg,
+    machine_info,
+    sample_caches,
+    write_json,
+)
+
+BUNDLED_BANK = bundled_bank()
 
 EPS_DEFAULT = tuple(float(f"{e:.3g}") for e in np.geomspace(0.005, 0.10, 8))
 ALLOCS = ("tensor", "pooled")
@@ -73,110 +80,10 @@ def _log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def display_path(p: str) -> str:
-    """A path as it may appear in committed output: relative to the repository, else just its file name."""
-    ap = os.path.abspath(p)
-    if ap == ROOT or ap.startswith(ROOT + os.sep):
-        return os.path.relpath(ap, ROOT)
-    return os.path.basename(ap)
-
-
-def limit_threads(n: int = 1) -> str:
-    """Limit BLAS (and numba) threads to ``n`` at run time, so coders are timed per core and none of them spins
-    extra threads on a shared machine. numpy may already be loaded, so the environment is not enough: use
-    threadpoolctl if installed, else OpenBLAS's own setter found among the loaded libraries."""
-    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[k] = str(n)
-    how = []
-    try:
-        import numba
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-        how.append("numba")
-    except Exception:
-        pass
-    try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(n)
-        return "+".join(how + ["threadpoolctl"])
-    except ImportError:
-        pass
-    import ctypes
-
-    try:
-        with open("/proc/self/maps") as f:
-            libs = sorted({line.split()[-1] for line in f if "blas" in line.lower() and ".so" in line})
-    except OSError:
-        libs = []
-    for lib in libs:
-        try:
-            dll = ctypes.CDLL(lib)
-        except OSError:
-            continue
-        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                    "openblas_set_num_threads64_",
-                    "openblas_set_num_threads"):
-            fn = getattr(dll, sym, None)
-            if fn is not None:
-                fn(ctypes.c_int(n))
-                how.append(f"openblas ({sym})")
-                break
-    return "+".join(how) or "environment only"
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    info = {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable, "python": platform.python_version(),
-            "numpy": np.__version__, "platform": f"{platform.system()} {platform.machine()}"}
-    try:
-        info["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
-    except (ValueError, OSError, AttributeError):
-        pass
-    for mod in ("pysz", "zfpy", "av", "zstandard", "pcodec", "numba"):
-        try:
-            m = __import__(mod)
-            info.setdefault("packages", {})[mod] = getattr(m, "__version__", "?")
-        except Exception:
-            pass
-    return info
-
-
-def code_revision() -> str | None:
-    """``git describe``-style revision of the repository (with ``-dirty`` when tracked files differ), if any."""
-    import subprocess
-
-    try:
-        rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (rev + ("-dirty" if dirty else "")) or None
-
-
-def _loadavg():
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def slice_cache(cache, n_tokens: int):
     """The first ``n_tokens`` tokens of every tensor (all layers kept), as a new Cache."""
-    from alignpred.cache.cachefile import Cache
-    from alignpred.cache.layout import infer_layout
+    from alignpred import Cache
+    from alignpred.cache import infer_layout
 
     if n_tokens >= cache.layout.n_tokens:
         return cache
@@ -283,7 +190,8 @@ def _memo_prepare(codec, store: dict):
 # ============================================================================ the run
 
 def default_caches() -> list[str]:
-    return sorted(glob.glob(os.path.join(SAMPLES, "*.safetensors")))
+    """The bundled sample caches."""
+    return sample_caches()
 
 
 def run_bench(caches: list[str] | None = None, *, bank: str | None = None, calib: list[str] | None = None,
@@ -302,7 +210,7 @@ def run_bench(caches: list[str] | None = None, *, bank: str | None = None, calib
     t_start = time.perf_counter()
     c_start = time.process_time()
     os.makedirs(out, exist_ok=True)
-    load_start = _loadavg()
+    load_start = loadavg()
     cache_paths = list(caches or default_caches())
     if not cache_paths:
         raise ValueError("no caches given and no bundled samples found")
@@ -322,8 +230,8 @@ def run_bench(caches: list[str] | None = None, *, bank: str | None = None, calib
 
     calib_paths = list(calib or [])
     calib_mode = "given (--calib)"
-    if not calib_paths and glob.glob(os.path.join(CALIB_DIR, "*.safetensors")):
-        calib_paths = sorted(glob.glob(os.path.join(CALIB_DIR, "*.safetensors")))
+    if not calib_paths and caches_in(CALIB_DIR):
+        calib_paths = caches_in(CALIB_DIR)
         calib_mode = "data/calib (the caches the bundled bank is fitted on)"
     if calib_paths:
         fit_caches = _load_calib(calib_paths)
@@ -518,7 +426,7 @@ def run_bench(caches: list[str] | None = None, *, bank: str | None = None, calib
         results["quality"] = run_quality_study(kbank, eps_fp8, eps_points, quality_prompts, quality_prompt_tokens,
                                                quality_new_tokens, progress)
     results["timing"] = {"wall_s": time.perf_counter() - t_start, "cpu_s": time.process_time() - c_start,
-                         "loadavg_start": load_start, "loadavg_end": _loadavg()}
+                         "loadavg_start": load_start, "loadavg_end": loadavg()}
     try:
         os.rmdir(tmpdir)
     except OSError:
@@ -528,7 +436,7 @@ def run_bench(caches: list[str] | None = None, *, bank: str | None = None, calib
 
 
 def _bank_has_rotations(bank) -> bool:
-    from alignpred.bank.bank import block_name
+    from alignpred.cache import block_name
 
     try:
         return bank.rotation(block_name("K", 0, 0)) is not None
@@ -541,27 +449,12 @@ def _fmt_eps(e):
 
 
 def write_results(results: dict, out: str, report: bool = True) -> None:
-    os.makedirs(out, exist_ok=True)
-    p = os.path.join(out, "results.json")
-    tmp = p + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1, default=_json_default)
-        f.write("\n")
-    os.replace(tmp, p)
+    """``out/results.json`` (and, with ``report``, the Markdown report and plot beside it)."""
+    write_json(results, os.path.join(out, "results.json"))
     if report:
         from kvz.benchmarks.report import write_report
 
         write_report(results, out)
-
-
-def _json_default(o):
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, np.bool_):
-        return bool(o)
-    if isinstance(o, tuple):
-        return list(o)
-    raise TypeError(type(o))
 
 
 # ============================================================================ aggregation over caches

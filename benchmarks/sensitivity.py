@@ -42,10 +42,8 @@ Run::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -54,6 +52,10 @@ import numpy as np
 
 from kvz.benchmarks import quality as Q
 from kvz.benchmarks import rate_quality as R
+
+from .harness import parser, write_json, write_text
+from .lm import model as load_model
+from .rate_report import fmt
 
 PRESETS = {
     "quick": dict(per_doc=1, docs=("english-technical",), context=256, score_tokens=16, eps=0.0267,
@@ -97,6 +99,8 @@ def _attention(model, tensors, feed, n_ctx: int) -> np.ndarray:
     """``[layers, n_ctx]``: mean attention weight (heads, scored queries) on each cached position."""
     import torch
 
+    from kvz.integrations.hf.bridge import cache_from_kv, cache_kwarg
+
     base = model
     impl = getattr(base.config, "_attn_implementation", None)
     try:
@@ -105,7 +109,7 @@ def _attention(model, tensors, feed, n_ctx: int) -> np.ndarray:
         else:
             base.config._attn_implementation = "eager"
         out = model(input_ids=torch.tensor([feed], dtype=torch.long), use_cache=True, output_attentions=True,
-                    **{Q._cache_kw(model): Q.inject(model, tensors)})
+                    **{cache_kwarg(model): cache_from_kv(model, tensors)})
         att = out.attentions
     finally:
         if impl is not None:
@@ -129,9 +133,11 @@ def measure(model, tokenizer, bank, *, docs=None, per_doc: int = 2, context: int
     """Run the measurements on calibration windows; returns raw per-prompt results (see :func:`summarize`)."""
     import torch
 
+    from kvz.integrations.hf.bridge import text_config
+
     ws = R.windows(R.documents("calib", docs), per_doc, context, score_tokens, tokenizer, split="calib")
-    lm = R._layer_meta(model)
-    names = _names(Q._text_config(model).num_hidden_layers)
+    lm = R.layer_meta_of(model)
+    names = _names(text_config(model).num_hidden_layers)
     prompts = []
     t_start = time.perf_counter()
 
@@ -353,18 +359,18 @@ def format_report(res: dict) -> str:
                          f"{e['predicted']:.3e} (sum of singles {e['sum_of_singles']:.3e}) | "
                          f"{e['measured'] / e['predicted']:.2f} |")
         else:
-            lines.append(f"| {lab} | {R._fmt(e.get('bpv'), '.2f')} | {e['nrmse_rms_over_tensors']:.4f} | "
+            lines.append(f"| {lab} | {fmt(e.get('bpv'), '.2f')} | {e['nrmse_rms_over_tensors']:.4f} | "
                          f"{e['nrmse_max']:.4f} | {e['measured']:.3e} | {e['predicted']:.3e} | "
-                         f"{R._fmt(e['ratio_measured_to_predicted'], '.2f')} |")
+                         f"{fmt(e['ratio_measured_to_predicted'], '.2f')} |")
     tw = res.get("token_weights")
     if tw:
         lines += ["", "## Token weights (KL per unit squared error at one position, relative to the average)", "",
                   "| position | " + " | ".join(k for k in tw["per_position"]) + " |",
                   "|---|" + "---|" * len(tw["per_position"]),
                   "| w_p | " + " | ".join(f"{v:.3g}" for v in tw["per_position"].values()) + " |", "",
-                  f"Later positions (8..T-5, sampled) average {R._fmt(tw['later_mean'], '.3g')}, the last 4 "
-                  f"{R._fmt(tw['last4_mean'], '.3g')}; position 0 keys only {R._fmt(tw['sink_key_only'], '.3g')}, "
-                  f"values only {R._fmt(tw['sink_value_only'], '.3g')}.", "",
+                  f"Later positions (8..T-5, sampled) average {fmt(tw['later_mean'], '.3g')}, the last 4 "
+                  f"{fmt(tw['last4_mean'], '.3g')}; position 0 keys only {fmt(tw['sink_key_only'], '.3g')}, "
+                  f"values only {fmt(tw['sink_value_only'], '.3g')}.", "",
                   f"Attention (eager pass, mean over layers, heads and scored queries): position 0 receives "
                   f"{100 * tw['attention_mass_pos0_mean']:.1f}% of the attention (uniform share "
                   f"{100 * tw['attention_uniform_share']:.2f}%); per layer "
@@ -376,16 +382,15 @@ def format_report(res: dict) -> str:
 
 def run(preset: str = "full", *, out=None, report=None, bank="gemma-3-270m", command="", progress=True,
         model=None, tokenizer=None, **over) -> dict:
-    from alignpred import Bank
-    from alignpred.bank.registry import find
+    from alignpred.bank import resolve_bank
 
     cfg = dict(PRESETS[preset])
     raw = over.pop("raw", None)  # earlier measurements (--from-raw): summarize only
     cfg.update({k: v for k, v in over.items() if v is not None})
-    bank = Bank.load(bank) if os.path.exists(str(bank)) else find(str(bank))
+    bank = resolve_bank(str(bank))
     if raw is None:
         if model is None:
-            model, tokenizer = Q._model()
+            model, tokenizer = load_model()
         raw = measure(model, tokenizer, bank, docs=cfg["docs"], per_doc=cfg["per_doc"], context=cfg["context"],
                       score_tokens=cfg["score_tokens"], eps=cfg["eps"], modes=cfg["modes"],
                       positions=cfg["positions"], checks=cfg["checks"], white_prompts=cfg.get("white_prompts"),
@@ -407,12 +412,11 @@ def run(preset: str = "full", *, out=None, report=None, bank="gemma-3-270m", com
            "layer_types": layer_types, "seconds": raw["seconds"], "summary": s,
            "weights_other_modes": {m: v for m, v in s["weights"].items() if m != main}}
     if out:
-        R._write_json(Path(out), res)
+        write_json(res, out)
         if report:  # the raw measurements beside the report (not in the bank folder)
-            R._write_json(Path(report).with_suffix(".raw.json"), raw)
+            write_json(raw, Path(report).with_suffix(".raw.json"))
     if report:
-        Path(report).parent.mkdir(parents=True, exist_ok=True)
-        Path(report).write_text(format_report(res))
+        write_text(report, format_report(res))
     return res
 
 
@@ -426,8 +430,8 @@ def _load_raw(path, out) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvz.benchmarks.sensitivity", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 window, 16 scored tokens, codec error only")
+    ap = parser(__doc__, prog="python -m kvz.benchmarks.sensitivity", quick="1 window, 16 scored tokens, codec error only",
+                quiet=True)
     ap.add_argument("--out", required=True, help="output JSON (the bank's sensitivity file)")
     ap.add_argument("--report", help="Markdown report")
     ap.add_argument("--bank", default="gemma-3-270m")
@@ -436,7 +440,6 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int)
     ap.add_argument("--score-tokens", type=int)
     ap.add_argument("--from-raw", help="no new measurements: summarize a report's .raw.json again")
-    ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     cmd = "python -m kvz.benchmarks.sensitivity " + " ".join(sys.argv[1:] if argv is None else argv)
     res = run("quick" if a.quick else "full", out=a.out, report=a.report, bank=a.bank, command=cmd,

@@ -29,7 +29,6 @@ Run::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -40,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from .harness import parser, pyplot, save_figure, write_json, write_text
+
 BANK = "gemma-3-270m"
 
 __all__ = ["run", "summarize", "looping", "simulate_rows", "format_markdown", "main", "two_tier_bytes"]
@@ -105,7 +105,8 @@ def run(*, n_prompts=20, prompt_tokens=256, new_tokens=64, xs=(8, 16, 32), eps_l
     """Measure every setting on every prompt; returns ``{"config", "prompts", "per_prompt"}``."""
     import torch
 
-    from kvz.benchmarks.quality import _model, default_prompts
+    from kvz.benchmarks.lm import model as load_model
+    from kvz.benchmarks.prompts import default_prompts
     from kvz.integrations.pager import ArraySource, KvPager, KvzSource, kv_bytes
     from kvz.integrations.verify import (
         DraftCache,
@@ -121,7 +122,7 @@ def run(*, n_prompts=20, prompt_tokens=256, new_tokens=64, xs=(8, 16, 32), eps_l
             print(msg, file=sys.stderr, flush=True)
 
     t_load = time.perf_counter()
-    model, tok = _model()
+    model, tok = load_model()
     log(f"model loaded in {time.perf_counter() - t_load:.1f}s")
     prompts = default_prompts(n_prompts, prompt_tokens, tokenizer=tok)
     settings = _settings(eps_list, xs, drops, drop_xs)
@@ -204,7 +205,7 @@ def run(*, n_prompts=20, prompt_tokens=256, new_tokens=64, xs=(8, 16, 32), eps_l
         rec["seconds"] = time.perf_counter() - t0
         per_prompt.append(rec)
         if checkpoint:
-            _write_json(checkpoint, {"config": None, "per_prompt": per_prompt, "partial": True})
+            write_json({"config": None, "per_prompt": per_prompt, "partial": True}, checkpoint)
     pager.close()
     config = {"n_prompts": len(prompts), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "xs": list(xs),
               "eps": list(eps_list), "drops": [list(d) for d in drops], "drop_xs": list(drop_xs),
@@ -234,10 +235,11 @@ def batch_noise(*, n_prompts=20, prompt_tokens=256, new_tokens=64, xs=(8, 16, 32
     the reference's step by step; count argmax flips and report the smallest top-2 gap seen."""
     import torch
 
-    from kvz.benchmarks.quality import _model, default_prompts
+    from kvz.benchmarks.lm import model as load_model
+    from kvz.benchmarks.prompts import default_prompts
     from kvz.integrations.verify import build_cache, forward_logits
 
-    model, tok = _model()
+    model, tok = load_model()
     prompts = default_prompts(n_prompts, prompt_tokens, tokenizer=tok)
     out = {x: {"max_abs_logit_diff": 0.0, "flips": 0, "positions": 0, "bitwise_equal_positions": 0,
                "max_abs_kv_diff": 0.0} for x in xs}
@@ -338,7 +340,7 @@ def summarize(result: dict) -> list:
 
 def simulate_rows(rows, *, Bs=(4, 8, 16, 32), iterations=3000, scenarios=None) -> list:
     """The scheduling simulation for every greedy batched setting's measured acceptance."""
-    from kvz.integrations.pager.schedule import SCENARIOS, AcceptModel, full_kv_baseline, simulate
+    from kvz.integrations.pager import SCENARIOS, AcceptModel, full_kv_baseline, simulate
 
     # one acceptance model per drafter, pooled over its measured draft lengths, from the prompts whose
     # greedy reference is not a short loop (loops are trivially predicted; all prompts if too few)
@@ -451,10 +453,7 @@ def format_markdown(result: dict, rows: list, sim: list) -> str:
 
 def plot(rows: list, sim: list, path) -> None:
     """Two panels: tokens per verify round against x per drafter; simulated throughput against B."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     by = defaultdict(list)
@@ -491,16 +490,7 @@ def plot(rows: list, sim: list, path) -> None:
     b.set_title(f"scheduling simulation: {sc} (solid: staggered, dashed: lock-step)", fontsize=9)
     b.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _write_json(path, obj):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=lambda o: o if not isinstance(o, float) else float(o)))
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=120)
 
 
 def _floats(s: str) -> tuple:
@@ -512,8 +502,8 @@ def _ints(s: str) -> tuple:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvz.benchmarks.verify", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 prompts x 128 tokens, 24 new tokens, a few settings")
+    ap = parser(__doc__, prog="python -m kvz.benchmarks.verify", quick="3 prompts x 128 tokens, 24 new tokens, a few settings",
+                json="write rows (and per-prompt details) here", quiet=True)
     ap.add_argument("--prompts", type=int)
     ap.add_argument("--tokens", type=int, help="prompt length in tokens (BOS included)")
     ap.add_argument("--new-tokens", type=int)
@@ -527,13 +517,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="pager decode threads")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--sim-iterations", type=int, default=3000)
-    ap.add_argument("--json", help="write rows (and per-prompt details) here")
     ap.add_argument("--md", help="write a markdown table here")
     ap.add_argument("--png", help="write a figure here (matplotlib)")
     ap.add_argument("--report", help="re-summarize a JSON written by an earlier run (no model runs)")
     ap.add_argument("--noise", action="store_true", help="only measure batched-vs-single-step float32 differences "
                     "(logits, K/V, argmax flips) along the greedy references; writes --json")
-    ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     if a.report:
         result = json.loads(Path(a.report).read_text())
@@ -545,10 +533,10 @@ def main(argv=None) -> int:
         sim = simulate_rows(rows, Bs=(4, 8, 16, 32), iterations=a.sim_iterations)
         md = format_markdown(result, rows, sim)
         if a.json:
-            _write_json(a.json, {"config": result["config"], "rows": rows, "simulation": sim,
-                                 "per_prompt": result["per_prompt"]})
+            write_json({"config": result["config"], "rows": rows, "simulation": sim,
+                        "per_prompt": result["per_prompt"]}, a.json)
         if a.md:
-            Path(a.md).write_text(md)
+            write_text(a.md, md)
         if a.png:
             plot(rows, sim, a.png)
         if not a.quiet:
@@ -563,7 +551,7 @@ def main(argv=None) -> int:
                           (128 if a.quick else 256), new_tokens=a.new_tokens or (24 if a.quick else 64),
                           xs=_ints(a.x) if a.x else (8, 16, 32), progress=not a.quiet)
         if a.json:
-            _write_json(a.json, res)
+            write_json(res, a.json)
         print(json.dumps(res, indent=1))
         return 0
     if a.quick:
@@ -605,13 +593,12 @@ def main(argv=None) -> int:
     result["config"]["quick"] = bool(a.quick)
     md = format_markdown(result, rows, sim)
     if a.json:
-        _write_json(a.json, {"config": result["config"], "rows": rows, "simulation": sim,
-                             "per_prompt": result["per_prompt"]})
+        write_json({"config": result["config"], "rows": rows, "simulation": sim,
+                    "per_prompt": result["per_prompt"]}, a.json)
         if ckpt and os.path.exists(ckpt):
             os.remove(ckpt)
     if a.md:
-        Path(a.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.md).write_text(md)
+        write_text(a.md, md)
     if a.png:
         plot(rows, sim, a.png)
     if not a.quiet:

