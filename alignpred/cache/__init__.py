@@ -21,9 +21,11 @@ from alignpred.cache.layout import (
                                     tensor_name,
 )
 from alignpred.cache.metadata import layout_metadata, parse_metadata
+from alignpred.cache.paged import gather as gather_paged
+from alignpred.cache.paged import scatter as scatter_paged
 from alignpred.cache.rope import RopeSpec, RopeTable, apply_rope, sincos_f32
 
 __all__ = ["as_numpy", "Cache", "cache_bytes", "load_cache", "parse_safetensors", "safetensors_header", "save_cache",
            "check_rope", "looks_roped", "rotation_ratio", "Block", "CacheLayout", "block_name", "dtype_name",
            "infer_layout", "numpy_dtype", "parse_name", "tensor_name", "layout_metadata", "parse_metadata",
-           "RopeSpec", "RopeTable", "apply_rope", "sincos_f32"]
+           "RopeSpec", "RopeTable", "apply_rope", "sincos_f32", "gather_paged", "scatter_paged"]

@@ -72,6 +72,33 @@ class Cache:
         meta.update(fields)
         return cls(arrays, meta, infer_layout(arrays, meta))
 
+    @classmethod
+    def from_paged(cls, k_pools, v_pools, block_table, n_tokens: int | None = None, start: int = 0,
+                   metadata: dict | None = None, **fields) -> Cache:
+        """A cache from paged KV: per layer a block pool ``[num_blocks, block_size, kv_heads,
+        head_dim]`` (a list of pools, or one array with a leading layer axis), the sequence's
+        ``block_table`` (block ids in position order) and the positions ``[start, start +
+        n_tokens)`` to take (default: all the table covers). ``position_offset`` becomes ``start``
+        (plus any offset given). Other fields as :meth:`from_arrays`.
+
+        >>> import numpy as np
+        >>> pools = np.random.default_rng(0).standard_normal((2, 8, 16, 1, 4)).astype(np.float16)
+        >>> c = Cache.from_paged(pools, pools, [5, 2, 7], n_tokens=40)
+        >>> c.layout.n_tokens, c.tensors["layers.1.key"].shape
+        (40, (1, 40, 4))
+        """
+        from alignpred.cache.paged import gather
+
+        if len(k_pools) != len(v_pools):
+            raise LayoutError(f"{len(k_pools)} key pools but {len(v_pools)} value pools: one of each per layer")
+        kv = [(gather(k, block_table, n_tokens, start), gather(v, block_table, n_tokens, start))
+              for k, v in zip(k_pools, v_pools)]
+        meta = dict(metadata or {})
+        meta.update(fields)
+        if start:
+            meta["position_offset"] = int(meta.get("position_offset", 0) or 0) + int(start)
+        return cls.from_arrays(kv, meta)
+
 
 def parse_safetensors(buf) -> tuple[dict, dict]:
     """Parse safetensors bytes into ``({name: array view}, metadata)`` without copying."""

@@ -387,6 +387,18 @@ class KvzReader:
             pass
         return out
 
+    def read_paged(self, k_pools, v_pools, block_table, tokens=None, layers=None, tier=None):
+        """Decode into paged KV (see :mod:`alignpred.cache.paged`): layer ``i``'s positions go to
+        ``k_pools[i]`` / ``v_pools[i]`` at the blocks of ``block_table``, which covers the sequence
+        from position 0 (the file's token ``t`` is position ``position_offset + t``)."""
+        from alignpred.cache.paged import scatter
+
+        a, b, _ = self._range(tokens, layers)
+        at = self.layout.position_offset + a
+        for i, k, v in self.layers((a, b), layers, tier=tier):
+            scatter(k[0] if k.ndim == 4 else k, k_pools[i], block_table, at)
+            scatter(v[0] if v.ndim == 4 else v, v_pools[i], block_table, at)
+
     def decompress_to(self, path, tokens=None, layers=None, chunk_objects: int = 8, progress=None,
                       tier=None) -> int:
         """Decode into a safetensors file (atomically) in bounded memory: object range by object

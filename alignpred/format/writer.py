@@ -217,7 +217,7 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
     bank = resolve_bank(bank, lay)
     w = budget.tensor_weights(lay.tensor_names(), bank)
     budget = budget.resolved(w)
-    eps, scope = budget.eps, budget.scope
+    eps, scope = float(budget.eps or 0.0), budget.scope  # eps is known once resolved
     from alignpred.cache.detect import check_rope
 
     check_rope(lay, bank, cache.tensors)
@@ -319,7 +319,7 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
     tot_e = sum(m.sq_err for m in metas)
     tot_n = sum(m.sq_norm for m in metas)
     info = CompressInfo(os.fspath(out) if is_path else None, lay.n_values, state["bytes"], len(bank_bytes),
-                        math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0, tens, bank.id, data, eps=float(budget.eps or 0.0),
+                        math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0, tens, bank.id, data, eps=eps,
                         scope=scope)
     if w is not None:
         live = np.array([m.sq_norm > 0 for m in metas])
