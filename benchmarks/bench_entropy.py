@@ -1,6 +1,6 @@
 """Benchmark of the entropy-coding stage (alignpred.entropy): size vs entropy, and speed.
 
-Usage: python benchmarks/bench_entropy.py [--out out/bench_entropy.json] [--quick]
+Usage: python -m kvz.benchmarks.bench_entropy [--out out/bench_entropy.json] [--quick]
 
 For Laplace, Gaussian and Student-t(3) data of scale s (in quantisation steps), one object of
 C=256 x N=256 symbols q = rint(s * X) is coded with the best model id per channel.  Reported per
@@ -13,18 +13,15 @@ on one core on "typical" objects (per-channel Laplace/t3 scales log-uniform in [
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from alignpred.entropy import MODEL_SET_ID, N_MODELS, PREC, choose_models, decode, encode, estimate_bits
 
-from alignpred import entropy as E  # noqa: E402
+from .harness import parser, write_json
 
 SCALES = (0.05, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0)
 DISTS = ("laplace", "gauss", "t3")
@@ -84,34 +81,32 @@ def typical_object(rng, C=256, N=256):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="out/bench_entropy.json")
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap = parser(__doc__, out="results JSON", out_default="out/bench_entropy.json", quick="fewer repetitions")
     args = ap.parse_args(argv)
     reps = 3 if args.quick else 10
     rng = np.random.default_rng(12345)
-    res = {"model_set": E.MODEL_SET_ID, "prec": E.PREC, "n_models": E.N_MODELS,
+    res = {"model_set": MODEL_SET_ID, "prec": PREC, "n_models": N_MODELS,
            "machine": platform.processor() or platform.machine(), "python": sys.version.split()[0],
            "compression": [], "speed": {}}
 
     # warm up numba (compile or load cache)
     q0 = typical_object(rng, 8, 16)
-    E.decode(E.encode(q0, E.choose_models(q0)), E.choose_models(q0), q0.shape)
+    decode(encode(q0, choose_models(q0)), choose_models(q0), q0.shape)
 
     print(f"{'dist':8s} {'scale':>7s} {'h_true':>8s} {'h_emp':>8s} {'h_emp_ch':>8s} {'est':>8s} "
           f"{'rans4':>8s} {'constr':>8s} {'gap':>8s} {'gap%':>7s}")
     for dist in DISTS:
         for s in SCALES:
             q = sample(rng, dist, s, (256, 256))
-            ids = E.choose_models(q)
+            ids = choose_models(q)
             n = q.size
-            b4 = E.encode(q, ids)
-            bc = E.encode(q, ids, coder="constriction")
-            assert np.array_equal(E.decode(b4, ids, q.shape), q)
-            assert np.array_equal(E.decode(bc, ids, q.shape, coder="constriction"), q)
+            b4 = encode(q, ids)
+            bc = encode(q, ids, coder="constriction")
+            assert np.array_equal(decode(b4, ids, q.shape), q)
+            assert np.array_equal(decode(bc, ids, q.shape, coder="constriction"), q)
             row = dict(dist=dist, scale=s, h_true=true_entropy(dist, s),
                        h_emp=plugin_entropy(q), h_emp_ch=float(np.mean([plugin_entropy(r) for r in q])),
-                       est=float(E.estimate_bits(q, ids).sum() / n),
+                       est=float(estimate_bits(q, ids).sum() / n),
                        rans4=8 * len(b4) / n, constriction=8 * len(bc) / n)
             row["gap"] = row["rans4"] - row["h_true"]
             row["gap_pct"] = 100 * row["gap"] / max(row["h_true"], 1e-12)
@@ -121,19 +116,19 @@ def main(argv=None):
                   f"{row['gap']:8.4f} {row['gap_pct']:6.2f}%")
 
     def speed(label, q):
-        ids = E.choose_models(q)
+        ids = choose_models(q)
         n = q.size
-        b4 = E.encode(q, ids)
-        bc = E.encode(q, ids, coder="constriction")
+        b4 = encode(q, ids)
+        bc = encode(q, ids, coder="constriction")
         r = {"bits_per_symbol": 8 * len(b4) / n,
-             "rans4_encode_Msym_s": n / timeit(lambda: E.encode(q, ids), reps) / 1e6,
-             "rans4_decode_Msym_s": n / timeit(lambda: E.decode(b4, ids, q.shape), reps) / 1e6,
+             "rans4_encode_Msym_s": n / timeit(lambda: encode(q, ids), reps) / 1e6,
+             "rans4_decode_Msym_s": n / timeit(lambda: decode(b4, ids, q.shape), reps) / 1e6,
              "constriction_encode_Msym_s":
-                 n / timeit(lambda: E.encode(q, ids, coder="constriction"), max(1, reps // 3)) / 1e6,
+                 n / timeit(lambda: encode(q, ids, coder="constriction"), max(1, reps // 3)) / 1e6,
              "constriction_decode_Msym_s":
-                 n / timeit(lambda: E.decode(bc, ids, q.shape, coder="constriction"),
+                 n / timeit(lambda: decode(bc, ids, q.shape, coder="constriction"),
                             max(1, reps // 3)) / 1e6,
-             "choose_models_Msym_s": n / timeit(lambda: E.choose_models(q), reps) / 1e6}
+             "choose_models_Msym_s": n / timeit(lambda: choose_models(q), reps) / 1e6}
         res["speed"][label] = r
         print(f"{label:28s} " + "  ".join(f"{k}={v:.1f}" for k, v in r.items()))
 
@@ -143,10 +138,8 @@ def main(argv=None):
     speed("laplace_s0.05", sample(rng, "laplace", 0.05, (256, 256)))
     speed("laplace_s3000", sample(rng, "laplace", 3000.0, (256, 256)))
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_json(res, args.out)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -160,14 +160,20 @@ def speed_child(reps: int) -> dict:
     return out
 
 
-def asm_child() -> dict:
-    """Runs in a child with a fresh NUMBA_CACHE_DIR (cached code cannot be inspected)."""
-    from alignpred.kernels import intmap as im
+NO_HANDLE = "alignpred.kernels exports no {} (the compiled integer kernel is not public)"
 
-    M = im.IntMap(np.ones((512, 256), np.float32), 2)
+
+def asm_child() -> dict:
+    """Runs in a child with a fresh NUMBA_CACHE_DIR (cached code cannot be inspected): counts the dot-product
+    instructions of the compiled integer kernel, ``alignpred.kernels.map_predict_kernel`` (a numba dispatcher)."""
+    import alignpred.kernels as K
+
+    kernel = getattr(K, "map_predict_kernel", None)
+    if kernel is None:
+        return {"skipped": NO_HANDLE.format("map_predict_kernel")}
+    M = K.IntMap(np.ones((512, 256), np.float32), 2)
     M.predict([np.ones((16, 256), np.float32)] * 2)
-    sig = im._map_predict.signatures[0]
-    asm = im._map_predict.inspect_asm(sig)
+    asm = kernel.inspect_asm(kernel.signatures[0])
     return {k: asm.count(k) for k in ("vpdpwssd", "vpmaddwd", "pmaddwd", "zmm", "ymm")}
 
 
@@ -311,10 +317,9 @@ def main(argv=None) -> int:
         res["machine"]["llvm_cpu"] = binding.get_host_cpu_name()
     except Exception:  # pragma: no cover
         pass
-    from alignpred.kernels import intmap as im
+    import alignpred.kernels as K
 
-    res["intmap"] = {"BX": im.BX, "BW": im.BW, "XQ_MAX": im.XQ_MAX, "WQ_MAX": im.WQ_MAX, "K_CHUNK": im.K_CHUNK,
-                     "block": [im.R_BLK, im.COL_BLK]}
+    res["intmap"] = dict(getattr(K, "INTMAP_TILING", None) or {"skipped": NO_HANDLE.format("INTMAP_TILING")})
     print(f"== precision: RMS(int - float64) / (Delta/sqrt(12)) at eps = {EPS:.4f}", flush=True)
     res["precision"] = precision(a.quick)
     for k, v in res["precision"].items():

@@ -103,7 +103,7 @@ def _rope(x: np.ndarray, name: str, rp: dict | None, inverse: bool, offset: int 
     """Undo (inverse=True) or apply RoPE to keys [H, T, d] (float32); identity if no RoPE is known/needed."""
     if not rp or not rp.get("roped"):
         return x
-    from alignpred.cache.rope import apply_rope
+    from alignpred.cache import apply_rope
     li = _layer(name)
     th = rp["theta"]
     theta = th[li] if li is not None and li < len(th) else th[-1]
