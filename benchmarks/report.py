@@ -250,10 +250,15 @@ def _sweep_table(res: dict) -> list[str]:
     return lines
 
 
-def _ablation_table(res: dict) -> list[str]:
+def _study(res: dict, study: str) -> tuple[float, dict | None, list[dict]]:
+    """FP8's tensor-scope error, kvz's main row at it, and the summary rows of ``study`` (run at that error)."""
     eps = res["eps_fp8"]["tensor"]
     base = next((r for r in _main_rows(res, "kvz", "tensor") if _close(r["eps_target"], eps)), None)
-    abl = [r for r in res["summary_rows"] if r.get("study") == "ablation"]
+    return eps, base, [r for r in res["summary_rows"] if r.get("study") == study]
+
+
+def _ablation_table(res: dict) -> list[str]:
+    eps, base, abl = _study(res, "ablation")
     if base is None or not abl:
         return []
     meta = res.get("ablations", {})
@@ -284,9 +289,7 @@ def _ablation_table(res: dict) -> list[str]:
 
 
 def _calibration_table(res: dict) -> list[str]:
-    eps = res["eps_fp8"]["tensor"]
-    base = next((r for r in _main_rows(res, "kvz", "tensor") if _close(r["eps_target"], eps)), None)
-    cal = [r for r in res["summary_rows"] if r.get("study") == "calibration"]
+    eps, base, cal = _study(res, "calibration")
     if base is None or not cal:
         return []
     lines = ["## (c) Calibration: auxiliary bank vs cache-specific bank", "",

@@ -493,6 +493,26 @@ def plot(rows: list, sim: list, path) -> None:
     save_figure(fig, path, dpi=120)
 
 
+def summarize_all(result: dict, Bs, iterations: int) -> tuple[list, list]:
+    """The summary rows of a run and their scheduling simulation."""
+    rows = summarize(result)
+    return rows, simulate_rows(rows, Bs=Bs, iterations=iterations)
+
+
+def write_outputs(a, result: dict, rows: list, sim: list) -> None:
+    """``--json`` (config, rows, simulation, per-prompt details), ``--md``, ``--png`` and the table on stdout."""
+    md = format_markdown(result, rows, sim)
+    if a.json:
+        write_json({"config": result["config"], "rows": rows, "simulation": sim,
+                    "per_prompt": result["per_prompt"]}, a.json)
+    if a.md:
+        write_text(a.md, md)
+    if a.png:
+        plot(rows, sim, a.png)
+    if not a.quiet:
+        print(md)
+
+
 def _floats(s: str) -> tuple:
     return tuple(float(v) for v in s.split(",") if v.strip())
 
@@ -529,18 +549,7 @@ def main(argv=None) -> int:
             result["config"] = {"n_prompts": len(result["per_prompt"]), "prompt_tokens": "?", "new_tokens": "?",
                                 "kinds": sorted({p["kind"] for p in result["per_prompt"]}), "verifier_source": "?",
                                 "torch_threads": "?"}
-        rows = summarize(result)
-        sim = simulate_rows(rows, Bs=(4, 8, 16, 32), iterations=a.sim_iterations)
-        md = format_markdown(result, rows, sim)
-        if a.json:
-            write_json({"config": result["config"], "rows": rows, "simulation": sim,
-                        "per_prompt": result["per_prompt"]}, a.json)
-        if a.md:
-            write_text(a.md, md)
-        if a.png:
-            plot(rows, sim, a.png)
-        if not a.quiet:
-            print(md)
+        write_outputs(a, result, *summarize_all(result, (4, 8, 16, 32), a.sim_iterations))
         return 0
     import torch
 
@@ -587,22 +596,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     result = run(budget_bytes=int(a.budget_mb * (1 << 20)), workers=a.workers, progress=not a.quiet,
                  checkpoint=ckpt, **d)
-    rows = summarize(result)
-    sim = simulate_rows(rows, Bs=Bs, iterations=iters)
     result["config"]["seconds"] = time.perf_counter() - t0
     result["config"]["quick"] = bool(a.quick)
-    md = format_markdown(result, rows, sim)
-    if a.json:
-        write_json({"config": result["config"], "rows": rows, "simulation": sim,
-                    "per_prompt": result["per_prompt"]}, a.json)
-        if ckpt and os.path.exists(ckpt):
-            os.remove(ckpt)
-    if a.md:
-        write_text(a.md, md)
-    if a.png:
-        plot(rows, sim, a.png)
-    if not a.quiet:
-        print(md)
+    rows, sim = summarize_all(result, Bs, iters)
+    write_outputs(a, result, rows, sim)
+    if ckpt and os.path.exists(ckpt):
+        os.remove(ckpt)
     bad = [r["name"] for r in rows if r["identical_frac"] is not None and r["identical_frac"] < 1.0]
     if bad:
         print(f"NOT IDENTICAL: {', '.join(bad)}", file=sys.stderr)

@@ -36,7 +36,7 @@ Results: JSON (rows, machine, load, command), a plot (Agg) and a Markdown summar
 
 The package, one module per part: :mod:`.config` (settings), :mod:`.codecs` (what is timed),
 :mod:`.codec_study` (1), :mod:`.processes` with :mod:`.worker` (2, 4), :mod:`.cli_study` with
-:mod:`.cold_start` (3), :mod:`.restore` (6), :mod:`.profile` (7), :mod:`.acceptance`,
+:mod:`.cold_start` (3), :mod:`.restore` (6), :mod:`.profiling` (7), :mod:`.acceptance`,
 :mod:`.report` and :mod:`.plot` (the outputs), :mod:`.runner` and :mod:`.main` (the run). Names are
 loaded lazily, so the worker processes (``python -m kvz.benchmarks.speed.worker``) import only what
 they measure.
@@ -45,71 +45,33 @@ from __future__ import annotations
 
 import importlib
 
-_WHERE = {
-    'BANK': 'config',
-    'BATCH_FILES': 'config',
-    'BLAS1': 'config',
-    'CODECS': 'config',
-    'ENV_TOLERANCE': 'config',
-    'EPS': 'config',
-    'KVZ01_COMMIT': 'config',
-    'KVZ01_DIR': 'config',
-    'PRESETS': 'config',
-    'SCHEMA': 'config',
-    'SCOPE': 'config',
-    'SECTIONS': 'config',
-    'log': 'config',
-    'arrays_digest': 'measures',
-    'break_even': 'measures',
-    'BaselineCodec': 'codecs',
-    'KvzCodec': 'codecs',
-    'LMCacheCodec': 'codecs',
-    'lmcache_status': 'codecs',
-    'make_codecs': 'codecs',
-    'aggregate': 'codec_study',
-    'codec_section': 'codec_study',
-    'decode_identity': 'codec_study',
-    'make_row': 'codec_study',
-    'ensure_kvz01': 'processes',
-    'run_worker': 'processes',
-    'summarize_env': 'processes',
-    'summarize_versions': 'processes',
-    'version_env_section': 'processes',
-    'cli_section': 'cli_study',
-    'kvz_command': 'cli_study',
-    'long_text': 'restore',
-    'restore_section': 'restore',
-    'bound_section': 'profile',
-    'map_shapes': 'profile',
-    'profile_decode': 'profile',
-    'acceptance': 'acceptance',
-    'agg_row': 'acceptance',
-    'markdown': 'report',
-    'write_plot': 'plot',
-    'machine': 'runner',
-    'print_acceptance': 'runner',
-    'render': 'runner',
-    'run': 'runner',
-    'main': 'main',
-    'Op': '..harness',
-    'clean_env': '..harness',
-    'cpu_probe': '..harness',
-    'default_caches': 'runner',
-    'parse_env': '..harness',
-    'run_interleaved': '..harness',
-    'thread_counts': '..harness',
-    'timing': '..harness',
-    'write_json': '..harness',
+# module (relative to this package) -> the names it gives the package
+_MODULES = {
+    '.config': ('BANK', 'BATCH_FILES', 'BLAS1', 'CODECS', 'ENV_TOLERANCE', 'EPS', 'KVZ01_COMMIT', 'KVZ01_DIR', 'PRESETS', 'SCHEMA', 'SCOPE', 'SECTIONS', 'log'),
+    '.measures': ('arrays_digest', 'break_even'),
+    '.codecs': ('BaselineCodec', 'KvzCodec', 'LMCacheCodec', 'lmcache_status', 'make_codecs'),
+    '.codec_study': ('aggregate', 'codec_section', 'decode_identity', 'make_row'),
+    '.processes': ('ensure_kvz01', 'run_worker', 'summarize_env', 'summarize_versions', 'version_env_section'),
+    '.cli_study': ('cli_section', 'kvz_command'),
+    '.restore': ('long_text', 'restore_section'),
+    '.profiling': ('bound_section', 'map_shapes', 'profile_decode'),
+    '.acceptance': ('acceptance', 'agg_row'),
+    '.report': ('markdown',),
+    '.plot': ('write_plot',),
+    '.runner': ('default_caches', 'machine', 'print_acceptance', 'render', 'run'),
+    '.main': ('main',),
+    '..harness': ('Op', 'clean_env', 'cpu_probe', 'parse_env', 'run_interleaved', 'thread_counts', 'timing', 'write_json'),
 }
+_WHERE = {name: mod for mod, names in _MODULES.items() for name in names}
 __all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str):
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    where = "kvz.benchmarks.harness" if mod == "..harness" else f"{__name__}.{mod}"
-    return getattr(importlib.import_module(where), name)
+    """The package's names, each imported from its module on first use."""
+    try:
+        return getattr(importlib.import_module(_WHERE[name], __name__), name)
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 def __dir__():

@@ -23,8 +23,8 @@ def _bw(b):
 def markdown(res: dict) -> str:
     """The Markdown summary of a results dict."""
     m = res["machine"]
-    n_all = m["all_threads"]
-    L = [f"# kvz speed ({'quick' if res['quick'] else 'full'})", "",
+    n_all, mode = m["all_threads"], "quick" if res["quick"] else "full"
+    L = [f"# kvz speed ({mode})", "",
          f"`{res['command']}` - {res['created']}, code {res.get('code_rev')}, {m.get('cpu')}, "
          f"{m.get('usable_cores')} usable cores; load average {res.get('loadavg_start')} at the start, "
          f"{res.get('loadavg_end')} at the end; {res['wall_s'] / 60:.1f} min wall."]

@@ -34,7 +34,7 @@ from .codecs import KvzCodec, lmcache_status
 from .config import BANK, CODECS, EPS, KVZ01_COMMIT, KVZ01_DIR, PRESETS, SCHEMA, SCOPE, SECTIONS, log
 from .plot import write_plot
 from .processes import ensure_kvz01, summarize_env, summarize_versions, version_env_section
-from .profile import bound_section, profile_decode
+from .profiling import bound_section, profile_decode
 from .report import markdown
 from .restore import restore_section
 

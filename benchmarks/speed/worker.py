@@ -7,22 +7,12 @@ digests of the decodes and the worst tensor NRMSE. It uses only what kvz 0.1 had
 ``threads=`` keywords are passed where the tree's signatures take them)."""
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import os
 import sys
 import tempfile
 import time
-
-
-def _digest(d: dict, np) -> str:
-    h = hashlib.sha256()
-    for k in sorted(d):
-        x = np.ascontiguousarray(np.asarray(d[k]))
-        h.update(f"{k}:{x.shape}:{x.dtype}".encode())
-        h.update(x.view(np.uint8).reshape(-1).data)
-    return h.hexdigest()
 
 
 def _timed(fn, repeats: int) -> tuple[dict, object]:
@@ -43,6 +33,7 @@ def measure(a: dict) -> dict:
     import alignpred
     from alignpred import Bank, KvzReader, compress, load_cache
     import_s = time.perf_counter() - t0
+    from .measures import arrays_digest
     bank = Bank.load(a["bank"])
     cs, rs = inspect.signature(compress).parameters, inspect.signature(KvzReader).parameters
 
@@ -76,7 +67,7 @@ def measure(a: dict) -> dict:
     d: dict = {}
     for th in a["threads"]:
         out["decode"][str(th)], d = _timed(lambda th=th: dec(path, th), a["rep_dec"])
-        out["digest"][str(th)] = _digest(d, np)
+        out["digest"][str(th)] = arrays_digest(d)
     worst = 0.0
     for k, x in cache.tensors.items():
         x = np.asarray(x, np.float64)
