@@ -8,11 +8,11 @@ Everything in the report is computed from the JSON; nothing is measured here.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
+
+from .harness import parser, pyplot, read_json, save_figure, write_json
 
 FP8 = "fp8_e4m3"
 LOSSLESS = ("fp16", "bf16", "zstd", "zstd_shuffle", "pcodec")
@@ -433,11 +433,7 @@ def render(res: dict, img: str = "rd.png") -> str:
 # ============================================================================ plot
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.6), sharey=False)
     methods = [m for m in res["methods"] if m not in LOSSLESS]
     cmap = plt.get_cmap("tab20")
@@ -488,8 +484,7 @@ def plot(res: dict, path: str) -> None:
     fig.suptitle(f"kvz bench: rate-distortion on {n} cache(s), {res['caches'][0]['model']} "
                  f"({res['caches'][0]['n_tokens']} tokens each)", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 0.96))
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)
 
 
 def write_report(res: dict, out: str, md_path: str | None = None) -> None:
@@ -504,20 +499,16 @@ def write_report(res: dict, out: str, md_path: str | None = None) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("dir", help="folder with results.json (RESULTS.md and rd.png are written there)")
     ap.add_argument("--quality", help="JSON of a separate quality run (benchmarks.quality output) to merge in")
     ap.add_argument("--md", help="write the markdown here instead of DIR/RESULTS.md (the plot is linked relatively)")
     a = ap.parse_args(argv)
     p = os.path.join(a.dir, "results.json")
-    with open(p) as f:
-        res = json.load(f)
+    res = read_json(p)
     if a.quality:
-        with open(a.quality) as f:
-            res["quality"] = json.load(f)
-        with open(p, "w") as f:
-            json.dump(res, f, indent=1)
-            f.write("\n")
+        res["quality"] = read_json(a.quality)
+        write_json(res, p)
     write_report(res, a.dir, a.md)
     print(f"wrote {a.md or os.path.join(a.dir, 'RESULTS.md')} and {os.path.join(a.dir, 'rd.png')}", file=sys.stderr)
     return 0

@@ -44,9 +44,7 @@ Run::
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 import sys
 import tempfile
@@ -56,7 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from .harness import ROOT, command_line, parser, write_json, write_text
+
 TEXTS = ["samples/texts/english-prose.txt", "samples/texts/german-prose.txt", "samples/texts/python-code.txt",
          "samples/texts/eval/english-story.txt", "samples/texts/eval/markdown-shell-json.txt",
          "samples/gemma3-270m/calib_texts/english-technical.txt", "samples/gemma3-270m/calib_texts/french-prose.txt",
@@ -84,7 +83,7 @@ def build_workload(tok, *, n_prompts=50, n_docs=9, n_topics=6, docs_per_prompt=3
     head = tok("Document:\n", add_special_tokens=False)["input_ids"]
     docs = []
     for k in range(n_docs):
-        path = ROOT / TEXTS[k % len(TEXTS)]
+        path = Path(ROOT) / TEXTS[k % len(TEXTS)]
         body = tok(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
         w = doc_tokens - len(head)
         start = (k // len(TEXTS)) * (w + 17) + 5
@@ -416,7 +415,7 @@ def run(args) -> dict:
         del ref
         if args.json:  # a checkpoint after every prompt (a long run that is stopped still leaves its rows)
             part = _assemble(per, names, strategies, kvb, sweep_rows, wl, prompts[:i + 1], args, L * 2 * H * d * 2, blas)
-            Path(args.json).with_suffix(".partial.json").write_text(json.dumps(part, indent=1, default=float))
+            write_json(part, Path(args.json).with_suffix(".partial.json"))
     out = _assemble(per, names, strategies, kvb, sweep_rows, wl, prompts, args, L * 2 * H * d * 2, blas)
     if args.budget_frac > 0 and not args.sweep_only:
         out["budget"] = run_budget(args, model, tok, prompts, wl, L * 2 * H * d * 2, log)
@@ -591,8 +590,8 @@ def _sweep_spec(s: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a small version (a few minutes)")
+    ap = parser(__doc__, quick="a small version (a few minutes)",
+                json="write the rows (list of dicts) here; details go to FILE with .full.json")
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--docs", type=int, default=9)
     ap.add_argument("--topics", type=int, default=6)
@@ -613,7 +612,6 @@ def main(argv=None) -> int:
     ap.add_argument("--kvboost-bits", default="16,8,4")
     ap.add_argument("--no-kvboost", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write the rows (list of dicts) here; details go to FILE with .full.json")
     ap.add_argument("--md", help="write a markdown report")
     ap.add_argument("--silent", action="store_true")
     args = ap.parse_args(argv)
@@ -628,16 +626,14 @@ def main(argv=None) -> int:
     args.extra_chunk_sizes = [int(x) for x in args.extra_chunk_sizes.split(",") if x]
     args.kvboost_bits = [int(x) for x in args.kvboost_bits.split(",") if x]
     out = run(args)
-    cmd = "python -m kvz.benchmarks.reuse " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = command_line("reuse", argv)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out["rows"], indent=1))
-        full = Path(args.json).with_suffix(".full.json")
-        full.write_text(json.dumps({k: v for k, v in out.items()}, indent=1, default=float))
+        write_json(out["rows"], args.json)
+        write_json(dict(out), Path(args.json).with_suffix(".full.json"))
         Path(args.json).with_suffix(".partial.json").unlink(missing_ok=True)  # the run's checkpoint, now complete
     md = to_markdown(out, cmd)
     if args.md:
-        Path(args.md).write_text(md)
+        write_text(args.md, md)
     print(md)
     return 0
 

@@ -7,7 +7,8 @@ import os
 
 
 def json_default(o):
-    """``json.dump(default=...)`` for numpy scalars, numpy booleans, sets and tuples."""
+    """``json.dump(default=...)`` for numpy scalars, numpy booleans, sets, tuples, and other scalars with
+    ``.item()`` (one-element torch tensors)."""
     import numpy as np
 
     if isinstance(o, (np.floating, np.integer)):
@@ -16,6 +17,8 @@ def json_default(o):
         return bool(o)
     if isinstance(o, (set, tuple)):
         return list(o)
+    if callable(getattr(o, "item", None)):
+        return o.item()
     raise TypeError(type(o))
 
 
