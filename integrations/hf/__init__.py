@@ -1,4 +1,49 @@
-"""The transformers adapter (the ``model`` extra): capture a model's KV with exact RoPE metadata
-(:mod:`~kvz.integrations.hf.capture`, :mod:`~kvz.integrations.hf.gemma`), RoPE from the model
-(:mod:`~kvz.integrations.hf.rope`), and the cache bridge (:mod:`~kvz.integrations.hf.bridge`). Import the
-sub-modules; this package imports nothing heavy."""
+"""The transformers adapter (the ``model`` extra) — the one place kvz touches transformers.
+
+* :mod:`~kvz.integrations.hf.capture` — capture any decoder's full KV with its exact RoPE
+  (:func:`capture_model`, :func:`record_kv`), load a model directory or GGUF (:func:`load_model`);
+* :mod:`~kvz.integrations.hf.gemma` — the same for the bundled Gemma 3 270M (:func:`load_gemma`,
+  :func:`capture_gemma`);
+* :mod:`~kvz.integrations.hf.rope` — the RoPE a model applies, as a kvz ``RopeSpec``
+  (:func:`rope_spec_from_model`);
+* :mod:`~kvz.integrations.hf.bridge` — a model's KV to ``.kvz`` and back into a cache ``generate``
+  continues from (:func:`capture_prefill`, :func:`save_kv`, :func:`load_cache`, :func:`build_cache`);
+* :mod:`~kvz.integrations.hf.caches` — the ``DynamicCache`` subclasses (recording, scatter, buffered).
+
+Other packages import these names from here (``from kvz.integrations.hf import kv_shape``).
+Names are imported lazily (PEP 562): importing this package loads neither torch nor transformers.
+``text_config`` here takes a *model* (:func:`kvz.integrations.hf.bridge.text_config`).
+"""
+from __future__ import annotations
+
+import importlib
+
+_MODULES = {
+    "bridge": ("RecordingCache", "capture_prefill", "save_kv", "load_cache", "cache_from_kv", "new_cache",
+               "kv_metadata", "model_id_of", "kv_shape", "cache_kwarg", "text_config", "build_cache",
+               "forward_logits", "last_kv"),
+    "caches": ("recording_cache_cls", "ScatterCache", "BufferedCache"),
+    "capture": ("FORMAT_NAME", "FORMAT_VERSION", "DTYPES", "INSTALL_HINT", "require_modules", "load_gguf",
+                "load_model", "tokenize", "capture_model", "record_kv", "cache_metadata", "write_cache_atomic",
+                "safetensors_chunks"),
+    "gemma": ("MODEL_ID", "model_dir", "load_gemma", "layer_info"),
+    "rope": ("UnsupportedRope", "rope_spec_from_model", "rope_spec_from_config", "prefill_chunk",
+             "record_rope_calls", "decoder_of", "layer_types_of", "rope_thetas", "takes_layer_type"),
+}
+_EXPORTS = {name: (f"kvz.integrations.hf.{mod}", name) for mod, names in _MODULES.items() for name in names}
+_EXPORTS["capture_gemma"] = ("kvz.integrations.hf.gemma", "capture")
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    target = _EXPORTS.get(name)
+    if target is None:
+        raise AttributeError(f"module 'kvz.integrations.hf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(target[0]), target[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -31,7 +31,8 @@ import inspect
 import numpy as np
 
 __all__ = ["RecordingCache", "capture_prefill", "save_kv", "load_cache", "cache_from_kv", "new_cache",
-           "kv_metadata", "model_id_of", "kv_shape", "cache_kwarg", "text_config"]
+           "kv_metadata", "model_id_of", "kv_shape", "cache_kwarg", "text_config", "build_cache", "forward_logits",
+           "last_kv"]
 
 
 def text_config(model):
@@ -67,41 +68,11 @@ def new_cache(model):
     return DynamicCache(config=text_config(model))
 
 
-def _recording_cls():
-    from transformers import DynamicCache
-
-    class RecordingCache(DynamicCache):
-        """A DynamicCache that also keeps every K/V chunk handed to ``update`` (all positions of every
-        layer, sliding layers included). ``recorded[layer] = ([keys...], [values...])``."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.recorded: dict = {}
-            self.recording = True
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            if self.recording:
-                ks, vs = self.recorded.setdefault(layer_idx, ([], []))
-                ks.append(key_states.detach())
-                vs.append(value_states.detach())
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-        def full_kv(self) -> list:
-            """``[(key, value)]`` per layer, ``[kv_heads, T, head_dim]``, every recorded position."""
-            import torch
-
-            out = []
-            for i in range(len(self.recorded)):
-                ks, vs = self.recorded[i]
-                out.append((torch.cat(ks, dim=-2)[0], torch.cat(vs, dim=-2)[0]))
-            return out
-
-    return RecordingCache
-
-
 def RecordingCache(model):  # noqa: N802 - a factory that reads like the class
     """A new recording cache for ``model`` (see :func:`capture_prefill`)."""
-    return _recording_cls()(config=text_config(model))
+    from kvz.integrations.hf.caches import recording_cache_cls
+
+    return recording_cache_cls()(config=text_config(model))
 
 
 def capture_prefill(model, input_ids, *, cache=None, logits_to_keep: int = 1, chunk: int | None = None):
@@ -207,7 +178,7 @@ def _check_rope(reader, model, n_positions: int) -> None:
     want = rope_spec_from_model(model, n_positions)
     have = lay.rope
     if have is None:
-        from alignpred.cache.rope import RopeSpec
+        from alignpred import RopeSpec
 
         if not lay.rope_theta:
             raise KvzError(f"{reader.path}: no RoPE metadata")
@@ -293,3 +264,48 @@ def cache_from_kv(model, kv, *, cache=None):
         cache.update(kt, vt, i)
     return cache
 
+
+
+def build_cache(model, *parts):
+    """A fresh cache holding, per layer, the concatenation along positions of ``parts`` (each a list
+    of ``(key, value)`` torch tensors ``[1, H, t, D]`` or ``[H, t, D]``, one per layer; ``None``
+    entries contribute nothing). Each layer is filled through its own ``update()`` (by
+    :func:`cache_from_kv`) so sliding-window layers keep what they would after a real prefill."""
+    import torch
+
+    n_layers = text_config(model).num_hidden_layers
+    layers = []
+    for i in range(n_layers):
+        ks, vs = [], []
+        for part in parts:
+            if part and part[i] is not None:
+                k, v = part[i]
+                ks.append(k if k.dim() == 4 else k[None])
+                vs.append(v if v.dim() == 4 else v[None])
+        layers.append((ks[0] if len(ks) == 1 else torch.cat(ks, dim=-2),
+                       vs[0] if len(vs) == 1 else torch.cat(vs, dim=-2)))
+    return cache_from_kv(model, layers)
+
+
+def forward_logits(model, cache, ids, start: int):
+    """float32 logits ``[len(ids), vocab]`` of ``ids`` at positions ``start..`` appended to ``cache``."""
+    import torch
+
+    dev = next(model.parameters()).device
+    inp = torch.tensor([list(ids)], dtype=torch.long, device=dev)
+    pos = torch.arange(start, start + len(ids), device=dev)[None]
+    out = model(input_ids=inp, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
+    return out.logits[0].float()
+
+
+def last_kv(cache, n: int, keep: int | None = None) -> list:
+    """Clones of the first ``keep`` (default all) of the last ``n`` positions of every layer of
+    ``cache``: ``[(k, v) [1, H, keep, D]]``."""
+    keep = n if keep is None else keep
+    out = []
+    for layer in cache.layers:
+        t = layer.keys.shape[-2]
+        if t < n:
+            raise RuntimeError(f"a cache layer holds {t} positions, fewer than the {n} just appended")
+        out.append((layer.keys[..., t - n:t - n + keep, :].clone(), layer.values[..., t - n:t - n + keep, :].clone()))
+    return out

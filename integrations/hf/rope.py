@@ -34,10 +34,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from alignpred.cache.rope import RopeSpec, RopeTable
+from alignpred.cache import RopeSpec, RopeTable
 
 __all__ = ["UnsupportedRope", "rope_spec_from_model", "rope_spec_from_config", "prefill_chunk",
-           "record_rope_calls", "decoder_of", "text_config", "layer_types_of", "rope_thetas"]
+           "record_rope_calls", "decoder_of", "text_config", "layer_types_of", "rope_thetas", "takes_layer_type"]
 
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 _PROBE = 24  # positions per probe segment (start, middle, end of the sequence)
@@ -133,7 +133,8 @@ def _rope_type(rot, key) -> str:
     return str(t)
 
 
-def _takes_layer_type(rot) -> bool:
+def takes_layer_type(rot) -> bool:
+    """Whether the rotary module's forward takes a ``layer_type`` (one table per attention type)."""
     return "layer_type" in inspect.signature(rot.forward).parameters
 
 
@@ -228,7 +229,7 @@ def _probe_table(rot, key, n: int, head_dim: int, apply) -> RopeTable:
 def _spec(rot, attns, cfg, n_positions: int, use_rope) -> RopeSpec:
     if n_positions < 1:
         raise ValueError("n_positions must be >= 1")
-    keyed = _takes_layer_type(rot)
+    keyed = takes_layer_type(rot)
     types = layer_types_of(cfg)
     tables: list = []
     index: dict = {}
@@ -314,7 +315,7 @@ def prefill_chunk(model, n_positions: int, chunk: int) -> int:
         return n_positions
     dec = decoder_of(model)
     rot = dec.rotary_emb
-    keys = set(layer_types_of(text_config(model.config))) if _takes_layer_type(rot) else {None}
+    keys = set(layer_types_of(text_config(model.config))) if takes_layer_type(rot) else {None}
     for key in keys:
         if not any(t in _rope_type(rot, key) for t in LENGTH_DEPENDENT):
             continue
@@ -340,7 +341,7 @@ def record_rope_calls(model):
     yielded list. Dynamic-NTK state is reset first (a fresh model's state)."""
     dec = decoder_of(model)
     rot = dec.rotary_emb
-    keyed = _takes_layer_type(rot)
+    keyed = takes_layer_type(rot)
     for key in (set(layer_types_of(text_config(model.config))) if keyed else {None}):
         reset_length_state(rot, key)
     calls: list = []
@@ -362,7 +363,7 @@ def rope_thetas(model, spec: RopeSpec) -> list | None:
     dec = decoder_of(model)
     cfg = text_config(model.config)
     rot = dec.rotary_emb
-    keyed = _takes_layer_type(rot)
+    keyed = takes_layer_type(rot)
     params = getattr(cfg, "rope_parameters", None) or {}
     types = layer_types_of(cfg)
     out = []
