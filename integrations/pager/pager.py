@@ -33,9 +33,10 @@ Design
   ``out(layer)`` is called just before layer ``layer`` is written (buffers may be reused across
   layers once the previous layer is consumed).
 
-Sources (``KvzSource``: a .kvz path / bytes / mmap at a tier; ``ArraySource``: an uncompressed
-:class:`alignpred.Cache` or dict of arrays - exact by definition) share one small protocol:
-``layout``, ``object_size``, ``chained`` and ``decode(j0, j1, layers, count)``.
+Sources (:mod:`~kvz.integrations.pager.sources`: ``KvzSource``, a .kvz path / bytes / mmap at a
+tier; ``ArraySource``, an uncompressed :class:`alignpred.Cache` or dict of arrays - exact by
+definition) share one small protocol: ``layout``, ``object_size``, ``chained`` and
+``decode(j0, j1, layers, count)``. The budget's bookkeeping is :mod:`~kvz.integrations.pager.budget`.
 
 >>> import numpy as np
 >>> kv = [(np.arange(2400, dtype=np.float32).reshape(2, 300, 4) + i, np.ones((2, 300, 4), np.float32))
@@ -53,167 +54,18 @@ Sources (``KvzSource``: a .kvz path / bytes / mmap at a tier; ``ArraySource``: a
 """
 from __future__ import annotations
 
-import inspect
-import mmap
-import os
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from alignpred import Cache, DecoderSession, KvzError, KvzReader
-from alignpred.cache.arrays import as_numpy
-from alignpred.cache.layout import numpy_dtype
+from alignpred import KvzError
+from alignpred.cache import as_numpy, numpy_dtype
+from kvz.integrations.pager.budget import Page, PageBudget, Slot, kv_bytes, page_bytes
+from kvz.integrations.pager.sources import ArraySource, KvzSource
 
-__all__ = ["KvPager", "KvzSource", "ArraySource", "PrefetchHandle", "kv_bytes"]
-
-OBJECT_SIZE = 256  # positions per .kvz object (ArraySource pages use the same size)
-
-
-def kv_bytes(layout, n_tokens: int | None = None, layers=None) -> int:
-    """Bytes of the dense K/V (keys + values) of ``n_tokens`` positions of ``layers`` (default: all)."""
-    n = layout.n_tokens if n_tokens is None else int(n_tokens)
-    nl = layout.num_layers if layers is None else len(list(layers))
-    return 2 * nl * layout.kv_heads * n * layout.head_dim * numpy_dtype(layout.dtype).itemsize
-
-
-# ================================================================================== sources
-
-class KvzSource:
-    """A .kvz file as a page source. ``source``: a path, bytes or mmap; ``tier``: None (the best
-    tier the file holds) or a tier name (``"coarse"``, ``"exact"``) once the reader supports tiers.
-    Each decode uses its own :class:`KvzReader` over one shared mapping and one shared
-    :class:`DecoderSession`, so concurrent decodes on the pool never share a reader."""
-
-    chained = True  # decoding layer L needs layers < L of the same positions
-
-    def __init__(self, source, *, bank=None, tier: str | None = None, session: DecoderSession | None = None):
-        self._file = None
-        if isinstance(source, (str, os.PathLike)):
-            self.path = os.fspath(source)
-            self._file = open(self.path, "rb")
-            try:
-                self._buf = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-            except (ValueError, OSError):  # empty file: let the reader report it
-                self._buf = self._file.read()
-        else:
-            self.path = "<bytes>"
-            self._buf = source
-        self.bank = bank
-        self.session = session or DecoderSession()
-        head = KvzReader(self._buf, bank=bank, session=self.session)
-        self.layout = head.layout
-        self.object_size = int(head.config.object_size)
-        self.eps = head.eps
-        self.tiers = tuple(getattr(head, "tiers", ("coarse",)))
-        self._tier_kw = "tier" in inspect.signature(KvzReader.layers).parameters
-        # one object per decode: the reader's own thread pool would have nothing to split
-        self._reader_kw = {"threads": 1} if "threads" in inspect.signature(KvzReader).parameters else {}
-        if tier is not None and (tier not in self.tiers or not self._tier_kw):
-            raise KvzError(f"{self.path}: tier {tier!r} not available (file tiers: {', '.join(self.tiers)}"
-                           f"{'' if self._tier_kw else '; this reader has no tier support'})")
-        self.tier = tier
-        self.file_bytes = len(self._buf)
-        self._lock = threading.Lock()
-        self.objects_decoded = 0
-
-    def reader(self) -> KvzReader:
-        return KvzReader(self._buf, bank=self.bank, session=self.session, **self._reader_kw)
-
-    def decode(self, j0: int, j1: int, layers, count=None):
-        """Yield ``(layer, key, value)`` (new arrays ``[kv_heads, rows, head_dim]``) for objects
-        ``j0..j1-1`` of ``layers`` (ascending); ``count(n)`` is told of every object fetched."""
-        r = self.reader()
-        S, n = self.object_size, self.layout.n_tokens
-        kw = {"tier": self.tier} if (self.tier is not None and self._tier_kw) else {}
-        seen = 0
-        for layer, k, v in r.layers(tokens=(j0 * S, min(j1 * S, n)), layers=sorted(layers), **kw):
-            done = r.objects_decoded - seen
-            seen = r.objects_decoded
-            self._count(done, count)
-            yield layer, (k[0] if k.ndim == 4 else k), (v[0] if v.ndim == 4 else v)
-        self._count(r.objects_decoded - seen, count)
-
-    def _count(self, n, count):
-        if n:
-            with self._lock:
-                self.objects_decoded += n
-            if count is not None:
-                count(n)
-
-    def close(self):
-        if self._file is not None:
-            if isinstance(self._buf, mmap.mmap):
-                try:
-                    self._buf.close()
-                except BufferError:  # a reader still holds a view; the mapping goes with it
-                    pass
-            self._file.close()
-            self._file = None
-
-
-class ArraySource:
-    """An uncompressed cache (an :class:`alignpred.Cache`, a dict ``layers.{i}.key|value ->
-    array`` or a list of ``(key, value)`` pairs; numpy or CPU torch) as a page source: exact by
-    definition. "Decoding" an object copies its rows; ``objects_decoded`` counts tensor-objects
-    served, as for a .kvz source (but layers are independent: ``chained = False``)."""
-
-    chained = False
-
-    def __init__(self, cache, metadata: dict | None = None):
-        if not isinstance(cache, Cache):
-            cache = Cache.from_arrays(cache, metadata)
-        self.cache = cache
-        self.layout = cache.layout
-        self.object_size = OBJECT_SIZE
-        self.tiers = ("exact",)
-        self.tier = "exact"
-        self.file_bytes = kv_bytes(self.layout)
-        self._lock = threading.Lock()
-        self.objects_decoded = 0
-
-    def decode(self, j0: int, j1: int, layers, count=None):
-        S, n = self.object_size, self.layout.n_tokens
-        a, b = j0 * S, min(j1 * S, n)
-        for layer in sorted(layers):
-            kv = []
-            for kind in ("key", "value"):
-                x = self.cache.tensors[f"layers.{layer}.{kind}"]
-                x = x[0] if x.ndim == 4 else x
-                kv.append(np.array(x[:, a:b], copy=True))
-            with self._lock:
-                self.objects_decoded += 2 * (j1 - j0)
-            if count is not None:
-                count(2 * (j1 - j0))
-            yield layer, kv[0], kv[1]
-
-    def close(self):
-        pass
-
-
-# ================================================================================== the pager
-
-class _Page:
-    __slots__ = ("k", "v", "nbytes", "pins")
-
-    def __init__(self, k, v, pins=0):
-        self.k, self.v = k, v
-        self.nbytes = k.nbytes + v.nbytes
-        self.pins = pins
-
-
-class _Slot:
-    """A page being decoded: its reserved bytes, the loaders waiting for it, and its outcome."""
-    __slots__ = ("nbytes", "pins", "done", "error")
-
-    def __init__(self, nbytes):
-        self.nbytes = nbytes
-        self.pins = 0
-        self.done = False
-        self.error = None
-
+__all__ = ["KvPager", "PrefetchHandle", "kv_bytes", "KvzSource", "ArraySource"]
 
 class PrefetchHandle:
     """What :meth:`KvPager.prefetch` queued: ``pages`` queued, ``skipped`` (no room in the
@@ -252,21 +104,33 @@ class KvPager:
     def __init__(self, budget_bytes: int, workers: int = 2, layer_chunk: int = 1):
         if budget_bytes < 0 or workers < 1 or layer_chunk < 1:
             raise ValueError("budget_bytes >= 0, workers >= 1 and layer_chunk >= 1 required")
-        self.budget_bytes = int(budget_bytes)
         self.workers = int(workers)
         self.layer_chunk = int(layer_chunk)
         self._sources: dict = {}
-        self._pages: OrderedDict = OrderedDict()  # (key, j, layer) -> _Page, LRU order
-        self._inflight: dict = {}  # (key, j, layer) -> _Slot
+        self._budget = PageBudget(budget_bytes)  # pages keyed (key, j, layer)
+        self._inflight: dict = {}  # (key, j, layer) -> Slot
         self._cond = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvz-pager")
         self._closed = False
-        self.resident_bytes = 0
-        self.reserved_bytes = 0
-        self.peak_bytes = 0
         self._st = dict(objects_decoded=0, pages_decoded=0, page_hits=0, page_waits=0, page_misses=0,
                         direct_pages=0, evictions=0, prefetch_pages=0, prefetch_skipped=0, bytes_out=0,
                         loads=0, decode_seconds=0.0, wait_seconds=0.0)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget.budget_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._budget.resident_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._budget.reserved_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._budget.peak_bytes
 
     # -- registry ---------------------------------------------------------------------------------
     def add(self, key, source) -> None:
@@ -285,8 +149,7 @@ class KvPager:
     def drop(self, key, close: bool = False) -> None:
         """Forget ``key``'s resident pages (pinned ones stay until released) and the source."""
         with self._cond:
-            for pk in [pk for pk, pg in self._pages.items() if pk[0] == key and pg.pins == 0]:
-                self.resident_bytes -= self._pages.pop(pk).nbytes
+            self._budget.forget(key)
             src = self._sources.pop(key, None)
         if close and src is not None:
             src.close()
@@ -295,9 +158,16 @@ class KvPager:
     def stats(self) -> dict:
         with self._cond:
             s = dict(self._st)
-            s.update(resident_bytes=self.resident_bytes, reserved_bytes=self.reserved_bytes,
-                     peak_bytes=self.peak_bytes, budget_bytes=self.budget_bytes, resident_pages=len(self._pages))
+            b = self._budget
+            s["evictions"] = b.evictions  # counted by the budget
+            s.update(resident_bytes=b.resident_bytes, reserved_bytes=b.reserved_bytes,
+                     peak_bytes=b.peak_bytes, budget_bytes=b.budget_bytes, resident_pages=len(b.pages))
         return s
+
+    def resident_pages(self) -> dict:
+        """``{(key, object, layer): pins}`` of the resident pages, least recently used first (a snapshot)."""
+        with self._cond:
+            return {pk: pg.pins for pk, pg in self._budget.pages.items()}
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no decode is in flight (True), or ``timeout`` seconds pass (False)."""
@@ -314,7 +184,7 @@ class KvPager:
         with self._cond:
             for k in self._st:
                 self._st[k] = 0.0 if isinstance(self._st[k], float) else 0
-            self.peak_bytes = self.resident_bytes + self.reserved_bytes
+            self._budget.reset_peak()
 
     def close(self) -> None:
         self._closed = True
@@ -350,43 +220,18 @@ class KvPager:
         S = src.object_size
         return src, a, b, Ls, list(range(a // S, -(-b // S)))
 
-    def _page_bytes(self, src, j) -> int:
-        lay, S = src.layout, src.object_size
-        rows = min(S, lay.n_tokens - j * S)
-        return 2 * lay.kv_heads * rows * lay.head_dim * numpy_dtype(lay.dtype).itemsize
-
-    # -- budget (call with the lock held) ---------------------------------------------------------
-    def _reserve(self, nbytes: int) -> bool:
-        need = self.resident_bytes + self.reserved_bytes + nbytes - self.budget_bytes
-        if need > 0:
-            victims, freed = [], 0
-            for pk, pg in self._pages.items():  # oldest first
-                if pg.pins == 0:
-                    victims.append(pk)
-                    freed += pg.nbytes
-                    if freed >= need:
-                        break
-            if freed < need:
-                return False
-            for pk in victims:
-                self.resident_bytes -= self._pages.pop(pk).nbytes
-            self._st["evictions"] += len(victims)
-        self.reserved_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.resident_bytes + self.reserved_bytes)
-        return True
-
     def _schedule(self, key, src, per_stripe: dict, pin: bool):
         """Reserve and queue decode jobs: ``per_stripe = {j: [missing layers]}``. Returns
         ``(slots {(j, L): slot}, stripes that did not fit)``."""
         slots, no_room = {}, []
         for j, Ls in per_stripe.items():
-            pb = self._page_bytes(src, j)
-            if not self._reserve(pb * len(Ls)):
+            pb = page_bytes(src, j)
+            if not self._budget.reserve(pb * len(Ls)):
                 no_room.append(j)
                 continue
             new = {}
             for L in Ls:
-                s = _Slot(pb)
+                s = Slot(pb)
                 if pin:
                     s.pins = 1
                 self._inflight[(key, j, L)] = new[(j, L)] = s
@@ -398,16 +243,12 @@ class KvPager:
     # -- jobs -------------------------------------------------------------------------------------
     def _deliver(self, key, j, layer, k, v, slot):
         with self._cond:
-            self.reserved_bytes -= slot.nbytes
+            self._budget.unreserve(slot.nbytes)
             self._inflight.pop((key, j, layer), None)
             slot.done = True
             if slot.error is None and (key in self._sources or slot.pins):  # a dropped key's pages go
-                pg = _Page(k, v, pins=slot.pins)
-                self._pages[(key, j, layer)] = pg
-                self._pages.move_to_end((key, j, layer))
-                self.resident_bytes += pg.nbytes
+                self._budget.admit((key, j, layer), Page(k, v, pins=slot.pins))
                 self._st["pages_decoded"] += 1
-            self.peak_bytes = max(self.peak_bytes, self.resident_bytes + self.reserved_bytes)
             self._cond.notify_all()
 
     def _fail(self, key, slots: dict, error: BaseException):
@@ -415,7 +256,7 @@ class KvPager:
             for (j, L), s in slots.items():
                 if not s.done:
                     s.done, s.error = True, error
-                    self.reserved_bytes -= s.nbytes
+                    self._budget.unreserve(s.nbytes)
                     self._inflight.pop((key, j, L), None)
             self._cond.notify_all()
 
@@ -435,8 +276,7 @@ class KvPager:
                 miss = []
                 for L in Ls:
                     pk = (key, j, L)
-                    if pk in self._pages:
-                        self._pages.move_to_end(pk)
+                    if self._budget.touch(pk) is not None:
                         resident += 1
                     elif pk not in self._inflight:
                         miss.append(L)
@@ -465,10 +305,9 @@ class KvPager:
                 miss = []
                 for L in Ls:
                     pk = (key, j, L)
-                    pg = self._pages.get(pk)
+                    pg = self._budget.touch(pk)
                     if pg is not None:
                         pg.pins += 1
-                        self._pages.move_to_end(pk)
                         self._st["page_hits"] += 1
                     elif pk in self._inflight:
                         s = self._inflight[pk]
@@ -519,13 +358,13 @@ class KvPager:
             with self._cond:
                 for (j, L), s in waits.items():
                     if s.done:
-                        pg = self._pages.get((key, j, L))
+                        pg = self._budget.pages.get((key, j, L))
                         if pg is not None and s.error is None:
                             pg.pins -= 1
                     else:
                         s.pins -= 1
                 for j, L in held:
-                    pg = self._pages.get((key, j, L))
+                    pg = self._budget.pages.get((key, j, L))
                     if pg is not None:
                         pg.pins -= 1
 
@@ -564,18 +403,18 @@ class KvPager:
         with self._cond:
             self._st["bytes_out"] += kb[:, dst].nbytes + vb[:, dst].nbytes
 
-    def _wait_page(self, key, j, L, slot) -> _Page:
+    def _wait_page(self, key, j, L, slot) -> Page:
         pk = (key, j, L)
         with self._cond:
             if slot is None:
-                return self._pages[pk]  # pinned by this load: cannot have gone
+                return self._budget.pages[pk]  # pinned by this load: cannot have gone
             t0 = time.perf_counter()
             while not slot.done:
                 self._cond.wait()
             self._st["wait_seconds"] += time.perf_counter() - t0
             if slot.error is not None:
                 raise slot.error
-            return self._pages[pk]
+            return self._budget.pages[pk]
 
 
 class _Job:

@@ -124,7 +124,7 @@ def test_lru_eviction(kvz):
         p.load("a", (512, 700))  # 188-row pages: evicts the oldest pages of object 0 (layers 0, 1, 2), no more
         st = p.stats
         assert st["evictions"] == 3 and st["resident_bytes"] <= budget
-        assert sorted(k[1:] for k in p._pages if k[1] == 0) == [(0, 3)]
+        assert sorted(k[1:] for k in p.resident_pages() if k[1] == 0) == [(0, 3)]
         n = st["objects_decoded"]
         p.load("a", (256, 512))  # still resident
         assert p.stats["objects_decoded"] == n
@@ -196,7 +196,7 @@ def test_decode_error_reaches_the_loader_and_pager_recovers(kvz):
         assert p.wait_idle(timeout=60)  # the other stripes' jobs finish on the pool
         st = p.stats
         assert st["reserved_bytes"] == 0 and not p._inflight
-        assert all(pg.pins == 0 for pg in p._pages.values())
+        assert all(pins == 0 for pins in p.resident_pages().values())
         got = p.read("good")
         assert all(_same(got[k], full[k]) for k in full)
         assert _same(p.read("bad", (0, 256))["layers.3.value"], full["layers.3.value"][:, :256])  # object 0 is fine
@@ -211,7 +211,7 @@ def test_early_close_releases_pins(kvz):
         next(g)
         g.close()
         assert p.wait_idle(timeout=60)
-        assert all(pg.pins == 0 for pg in p._pages.values())
+        assert all(pins == 0 for pins in p.resident_pages().values())
 
 
 def test_concurrent_loads_under_a_small_budget(kvz):
