@@ -90,8 +90,8 @@ __all__ = ["MODEL_SET_ID", "PREC", "N_MODELS", "N_TOKENS", "CODERS", "CODER_IDS"
 PREC: int = rans.PREC
 N_TOKENS: int = rans.N_TOKENS
 N_MODELS: int = int(_load_tables().freq.shape[0])
-CODERS = ("rans4", "constriction")
-CODER_IDS = {"rans4": 0, "constriction": 1}   # suggested ids for file headers
+CODERS = ("rans4", "constriction", "lanes32")
+CODER_IDS = {"rans4": 0, "constriction": 1, "lanes32": 2}   # suggested ids for file headers
 _MAX_SYMBOLS = 1 << 32
 _MAX_SYMBOLS_PER_BYTE = 2048
 _FX = 1 << 16
@@ -194,6 +194,10 @@ def encode(q: np.ndarray, model_ids: np.ndarray, coder: str = "rans4") -> bytes:
         return rans.encode_kernel(q, ids, t.packed).astype("<u4", copy=False).tobytes()
     if coder == "constriction":
         return _encode_constriction(q, ids)
+    if coder == "lanes32":
+        from alignpred.entropy import lanes
+
+        return lanes.encode(q, ids)
     raise EncodeError(f"unknown coder {coder!r}; expected one of {CODERS}")
 
 
@@ -253,6 +257,10 @@ def decode(buf, model_ids: np.ndarray, shape: tuple[int, int],
         if err != rans.ERR_OK:
             raise FormatError(f"rans4 payload invalid: {rans.ERROR_TEXT[err]}")
         return out
+    if coder == "lanes32":
+        from alignpred.entropy import lanes
+
+        return lanes.decode(raw, ids, (C, N), out=out)
     if coder == "constriction":
         res = _decode_constriction(raw, ids, C, N)
         if out is None:
