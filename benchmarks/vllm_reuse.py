@@ -31,7 +31,7 @@ from pathlib import Path
 BS = 128
 QUESTION = 48
 SIZES = (1024, 2048, 4096, 8192)
-STORES = ("recompute", "example", "kvz", "kvz-lossless")
+STORES = ("recompute", "kvz", "example", "kvz-lossless")
 LOGPROBS = 20
 SYSTEM = ("You are a careful assistant. Answer questions about the documents below; quote them where you can, "
           "say when they do not contain the answer, and keep answers short.")
@@ -69,8 +69,10 @@ def build_prompts(model_dir: str, sizes, seed: int = 0):
         body_n = n - QUESTION - len(head)
         body = (docs * (body_n // len(docs) + 1))[:body_n]
         shared = head + body
-        qw = [rng.randrange(1000, 30000) for _ in range(QUESTION)]
-        qr = [rng.randrange(1000, 30000) for _ in range(QUESTION)]
+        # the questions: real text too (a passage from elsewhere in the documents), so greedy decoding
+        # is not decided by near-ties
+        o = (body_n + 7919 * (n // BS)) % max(1, len(docs) - 2 * QUESTION)
+        qw, qr = docs[o:o + QUESTION], docs[o + QUESTION:o + 2 * QUESTION]
         out[n] = (shared + qw, shared + qr, len(shared))
     return out
 
@@ -119,7 +121,8 @@ def _kl(ref, got) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None = None, log=print) -> list[dict]:
+def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None = None, log=print,
+        partial=None) -> list[dict]:
     root = Path(workdir or tempfile.mkdtemp(prefix="kvz-vllm-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     prompts = build_prompts(model_dir, sizes)
@@ -162,6 +165,8 @@ def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None 
                            rest_s=round(rr["ttft_s"] - dl.get("decode_s", 0.0) - dl.get("copy_s", 0.0), 4),
                            encode_s=round(wd.get("encode_s", 0.0), 3))
             rows.append(row)
+        if partial is not None:
+            partial(rows)
     return rows
 
 
@@ -207,7 +212,11 @@ def main(argv=None) -> int:
 
         model = str(convert(Path("~/.cache/kvz/gemma3-hf").expanduser()))
     t0 = time.perf_counter()
-    rows = run(sizes, stores, model, a.max_tokens, a.workdir, log=lambda m: print(m, file=sys.stderr))
+    def partial(rows):
+        if a.json_out:
+            Path(a.json_out + ".partial").write_text(json.dumps(rows, indent=1) + "\n")
+
+    rows = run(sizes, stores, model, a.max_tokens, a.workdir, log=lambda m: print(m, file=sys.stderr), partial=partial)
     note = (f"Measured with `python -m kvz.benchmarks.vllm_reuse{' --quick' if a.quick else ''}` in "
             f"{time.perf_counter() - t0:.0f} s: vLLM 0.32 CPU, Gemma 3 270M bf16, block 128, engines pinned "
             f"to one core, prefix caching off (all reuse through the connector).")

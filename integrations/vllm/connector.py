@@ -52,11 +52,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 
-from .store import DEFAULT_EPS, BlockStore, Segment, open_backend, warn
+from .store import DEFAULT_EPS, BlockStore, open_backend, warn
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -153,7 +152,7 @@ def _layer_index(name: str) -> int:
 class KvzConnector(KVConnectorBase_V1):
     """See the module docstring."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         get = self._kv_transfer_config.get_from_extra_config
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -195,7 +194,7 @@ class KvzConnector(KVConnectorBase_V1):
                     type(self.backend).__name__, eps, lossless, bank)
 
     # ------------------------------------------------------------------ scheduler side
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         ids = list(request.prompt_token_ids or [])
         if not ids or getattr(request, "mm_features", None):
             return 0, False
@@ -211,16 +210,15 @@ class KvzConnector(KVConnectorBase_V1):
         ext = hit * bs - num_computed_tokens
         return (ext if ext > 0 else 0), False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         rid = request.request_id
         got = self._lookups.pop(rid, None)
         if num_external_tokens > 0 and got is not None:
             _, hit, segs = got
             self._pending_loads[rid] = (hit, segs)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvzConnectorMetadata()
-        bs = self.block_size
         for new in scheduler_output.scheduled_new_reqs:
             ids = list(new.prompt_token_ids or [])
             st = _ReqState(ids, list(new.block_ids[0]), len(ids))
@@ -267,7 +265,7 @@ class KvzConnector(KVConnectorBase_V1):
         hashes = self.store.block_hashes(st.token_ids, full)[first:]
         meta.saves.append(SaveSpec(rid, st.token_ids[:full * bs], first, st.block_ids[first:full], hashes))
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._reqs.pop(rid, None)
         self._lookups.pop(rid, None)
@@ -359,7 +357,7 @@ class KvzConnector(KVConnectorBase_V1):
         return out
 
     # ------------------------------------------------------------------ worker side: load
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvzConnectorMetadata) or not meta.loads:
             return
@@ -392,9 +390,9 @@ class KvzConnector(KVConnectorBase_V1):
                     self._load_errors.update(int(x) for x in spec.block_ids[seg.first:])
                     break
             self.timings["load_s"] += time.perf_counter() - t0
-            if self.debug_dir:
-                self._debug_dump("load", spec.req_id, spec.block_ids[:sum(s.count for s in spec.segments)
-                                                                     + (spec.segments[0].first if spec.segments else 0)])
+            if self.debug_dir and spec.segments:
+                end = spec.segments[-1].first + spec.segments[-1].count
+                self._debug_dump("load", spec.req_id, spec.block_ids[:end])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -253,8 +253,7 @@ class BlockStore:
         L, H, d = self.shape
         g = torch.Generator().manual_seed(0)
         dt = getattr(torch, self.dtype, torch.bfloat16)
-        kv = [(torch.randn(H, self.block_size, d, generator=g).to(dt), torch.randn(H, self.block_size, d, generator=g).to(dt))
-              for _ in range(L)]
+        kv = [tuple(torch.randn(H, self.block_size, d, generator=g).to(dt) for _ in range(2)) for _ in range(L)]
         meta = {"layer_types": self.layer_types, "keys_roped": True, "rope_theta": self.rope_theta}
         blob = compress(Cache.from_arrays(kv, meta), None, eps=self.eps, bank=self.bank, config=self.config,
                         lossless=self.lossless, threads=self.threads).data
