@@ -133,7 +133,8 @@ def markdown(res: dict) -> str:
         sz1 = agg_row(res.get("aggregate", []), "sz3", "decode", 1)
         L += ["", f"## How fast one thread can decode with exact map products ({bd['cache']})", "",
               f"One single-thread read(): {bd['values'] / 1e6:.1f} M values in {bd['read_s']:.3f} s; the integer map "
-              f"products do {bd['macs'] / 1e9:.2f} G multiply-adds ({bd['macs_per_value']:.0f} per decoded value) in "
+              f"products do {bd['macs'] / 1e9:.2f} G multiply-adds ({bd['macs_per_value']:.0f} per decoded value); "
+              f"the prediction stage (the decoder's StageTimer: sources quantised, map products) takes "
               f"{bd['map_products_s']:.3f} s ({bd['kernel_gmacs']:.1f} GMAC/s, {bd['map_share']:.0%} of the read); "
               f"everything else takes {bd['rest_s']:.3f} s ({bd['rest_ns_per_value']:.2f} ns per value)."]
         ref = bd.get("bf16_reference")
