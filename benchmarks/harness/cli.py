@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
+
+from .paths import ROOT
 
 
 def parser(doc: str | None, *, caches: str | None = None, quick: str | None = None, json: str | None = None,
@@ -15,7 +18,7 @@ def parser(doc: str | None, *, caches: str | None = None, quick: str | None = No
     ``caches`` (positional cache paths), ``quick`` (``--quick``), ``json`` (``--json OUT``), ``out``
     (``--out``), ``quiet`` (``-q/--quiet``)."""
     doc = doc or ""
-    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=prog or running_module(), description=doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     if caches is not None:
         ap.add_argument("caches", nargs="*", help=caches)
@@ -28,6 +31,18 @@ def parser(doc: str | None, *, caches: str | None = None, quick: str | None = No
     if quiet:
         ap.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     return ap
+
+
+def running_module() -> str | None:
+    """``python -m kvz.benchmarks.X`` when this process runs a benchmark module (else None: argparse's default)."""
+    path = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    folder = os.path.join(ROOT, "benchmarks") + os.sep
+    if not (path.startswith(folder) and path.endswith(".py")):
+        return None
+    parts = os.path.relpath(path[:-3], folder).split(os.sep)
+    if parts[-1] == "__main__":
+        parts = parts[:-1]
+    return " ".join(["python", "-m", ".".join(["kvz", "benchmarks", *parts])])
 
 
 def command_line(module: str, argv=None) -> str:
