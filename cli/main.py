@@ -102,12 +102,15 @@ def cli():
                    "readable alone (decompress --tier coarse).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Worker threads (default: the cores available; the file does not depend on it).")
+@click.option("--trust-rope", is_flag=True,
+              help="Skip the check of the metadata's RoPE against the keys (a wrong base is an error otherwise).")
 @click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_errors
 def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, align, no_map, blend, no_intra,
-             no_channel_choice, no_rope_undo, sink_tokens, tensor_cap, lossless, threads, force, as_json, quiet):
+             no_channel_choice, no_rope_undo, sink_tokens, tensor_cap, lossless, trust_rope, threads, force, as_json,
+             quiet):
     """Compress a KV cache (safetensors) into a .kvz file.
 
     BANK is a bank file, a registered bank's name (see `kvz bank list`; e.g. gemma-3-270m) or
@@ -141,7 +144,7 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
     # the bar counts positions coded over all passes.
     with _progress(None, "compress", quiet, unit="pos") as bar:
         info = compress(cache, out, budget=budget, bank=b, config=cfg, embed_bank=self_calibrate,
-                        lossless=lossless, threads=threads, progress=bar.update)
+                        lossless=lossless, threads=threads, progress=bar.update, trust_rope=trust_rope)
     eps, eps_scope = info.eps, info.scope
     b_id = info.bank_id
     res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "lossless": lossless, "bpv": info.bpv,

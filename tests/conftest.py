@@ -35,7 +35,12 @@ def synthetic_cache(n_layers=3, heads=1, T=300, d=32, dtype=np.float16, seed=0, 
     for i in range(n_layers):
         mk = rng.standard_normal((d, d)) / np.sqrt(d)
         mv = rng.standard_normal((d, d)) / np.sqrt(d)
-        t[f"layers.{i}.key"] = (latent @ mk + 0.3 * rng.standard_normal((heads, T, d)) + 0.5).astype(dtype)
+        key = latent @ mk + 0.3 * rng.standard_normal((heads, T, d)) + 0.5
+        if roped:  # keys said to carry RoPE do carry it (kvz checks the metadata against them)
+            from alignpred.cache import RopeTable
+
+            key = RopeTable.from_theta(1e4, d).apply(key.astype(np.float32), 0)
+        t[f"layers.{i}.key"] = key.astype(dtype)
         t[f"layers.{i}.value"] = (latent @ mv + 0.3 * rng.standard_normal((heads, T, d))).astype(dtype)
     meta = {}
     if roped:

@@ -9,7 +9,7 @@
 """
 from alignpred.cache.arrays import as_numpy
 from alignpred.cache.cachefile import Cache, cache_bytes, load_cache, parse_safetensors, safetensors_header, save_cache
-from alignpred.cache.detect import check_rope, looks_roped, rotation_ratio
+from alignpred.cache.detect import check_rope, check_rope_theta, frame_scores, looks_roped, rotation_ratio
 from alignpred.cache.layout import (
                                     Block,
                                     CacheLayout,
@@ -26,6 +26,7 @@ from alignpred.cache.paged import scatter as scatter_paged
 from alignpred.cache.rope import RopeSpec, RopeTable, apply_rope, sincos_f32
 
 __all__ = ["as_numpy", "Cache", "cache_bytes", "load_cache", "parse_safetensors", "safetensors_header", "save_cache",
-           "check_rope", "looks_roped", "rotation_ratio", "Block", "CacheLayout", "block_name", "dtype_name",
-           "infer_layout", "numpy_dtype", "parse_name", "tensor_name", "layout_metadata", "parse_metadata",
-           "RopeSpec", "RopeTable", "apply_rope", "sincos_f32", "gather_paged", "scatter_paged"]
+           "check_rope", "check_rope_theta", "frame_scores", "looks_roped", "rotation_ratio", "Block",
+           "CacheLayout", "block_name", "dtype_name", "infer_layout", "numpy_dtype", "parse_name",
+           "tensor_name", "layout_metadata", "parse_metadata", "RopeSpec", "RopeTable", "apply_rope",
+           "sincos_f32", "gather_paged", "scatter_paged"]

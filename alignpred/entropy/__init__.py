@@ -25,6 +25,11 @@ from alignpred.entropy.coder import (
                                      histogram,
                                      models_from_histogram,
 )
+from alignpred.entropy.lanes import LANES_PREC
+from alignpred.entropy.lanes import decode as lanes_decode
+from alignpred.entropy.lanes import encode as lanes_encode
+from alignpred.entropy.lanes_simd import target_isa as lanes_isa
 
 __all__ = ["MODEL_SET_ID", "PREC", "N_MODELS", "N_TOKENS", "CODERS", "CODER_IDS", "choose_models", "estimate_bits",
-           "encode", "decode", "encode_ctx", "decode_ctx", "histogram", "models_from_histogram"]
+           "encode", "decode", "encode_ctx", "decode_ctx", "histogram", "models_from_histogram",
+           "LANES_PREC", "lanes_encode", "lanes_decode", "lanes_isa"]

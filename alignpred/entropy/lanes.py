@@ -83,26 +83,29 @@ def quantize_freq(freq: np.ndarray, prec: int) -> np.ndarray:
     return g
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def tables(prec: int = LANES_PREC):
-    """``(packed, dtab)`` for precision ``prec`` (<= 12): ``packed[m, t] = freq << 16 | cum``
-    (uint32, encoder) and ``dtab[m * 2**prec + s] = freq << 20 | (s - cum) << 8 | token`` (uint32,
-    the decoder's one lookup per symbol).  Read-only, cached."""
-    if not 1 <= prec <= MAX_PREC_FUSED:
-        raise ValueError(f"lanes32 tables need 1 <= prec <= {MAX_PREC_FUSED}")
+    """``(packed, dtab)`` for precision ``prec``: ``packed[m, t] = freq << 16 | cum`` (uint32, the
+    encoder's) and ``dtab[m * 2**prec + s] = freq << 20 | (s - cum) << 8 | token`` (uint32, the
+    decoder's one lookup per symbol; ``None`` above 12 bits, where the three fields no longer fit
+    32 bits).  ``prec`` other than ``LANES_PREC`` is for measurements only.  Read-only, cached."""
+    if not 7 <= prec <= 15:
+        raise ValueError("lanes32 tables need 7 <= prec <= 15")
     g = quantize_freq(_load_v1().freq, prec)
     cum = np.zeros_like(g)
     cum[:, 1:] = np.cumsum(g, axis=1)[:, :-1]
     packed = ((g << 16) | cum).astype(np.uint32)
+    packed.setflags(write=False)
+    if prec > MAX_PREC_FUSED:
+        return packed, None
     M, T = g.shape
     dtab = np.empty((M, 1 << prec), np.uint32)
     tok = np.arange(T)
+    s = np.arange(1 << prec)
     for m in range(M):
         toks = np.repeat(tok, g[m])
-        s = np.arange(1 << prec)
         dtab[m] = (g[m][toks] << 20) | ((s - cum[m][toks]) << 8) | toks
     dtab = dtab.reshape(-1)
-    packed.setflags(write=False)
     dtab.setflags(write=False)
     return packed, dtab
 
@@ -333,6 +336,8 @@ def decode(buf, ids: np.ndarray, shape: tuple[int, int], out: np.ndarray | None 
     elif out.shape != (C, N) or out.dtype != np.int32:
         raise ValueError(f"out must be int32 {(C, N)}, got {out.dtype} {out.shape}")
     _, dtab = tables(prec)
+    if dtab is None:
+        raise ValueError(f"no lanes32 decoder for {prec}-bit tables (at most {MAX_PREC_FUSED})")
     w = padded_words(raw)
     W = raw.size // 2
     hw = header_words(C * N)

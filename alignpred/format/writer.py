@@ -89,7 +89,8 @@ def _as_cache(cache):
 def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str | None = None,
              config: CodecConfig | None = None, embed_bank: bool = False, coder: str = CODER,
              tensor_cap: float | None = None, lossless: bool = False, weights=None, target_kl: float | None = None,
-             threads: int | None = None, progress=None, budget: ErrorBudget | None = None) -> CompressInfo:
+             threads: int | None = None, progress=None, budget: ErrorBudget | None = None,
+             trust_rope: bool = False) -> CompressInfo:
     """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
     ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
     scope also caps every tensor at ``tensor_cap × eps``, 0 = no cap).
@@ -110,6 +111,9 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
     depend on it. ``progress(n)`` is called with positions done (several passes may run).
     ``budget``: an :class:`~alignpred.ErrorBudget` instead of the loose ``eps``, ``scope``,
     ``tensor_cap``, ``weights`` and ``target_kl`` (which are validated into one).
+    ``trust_rope``: skip the check of the metadata's RoPE against the keys
+    (:func:`alignpred.cache.check_rope_theta`: a base that leaves keys rotated warns, one that
+    makes the frame worse than none is an error).
     """
     if budget is None:
         budget = ErrorBudget.from_options(eps=eps, scope=scope, tensor_cap=tensor_cap, weights=weights,
@@ -122,7 +126,8 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
         if isinstance(out, (str, os.PathLike)) and src and same_file(out, src):
             raise OutputExistsError(f"{os.fspath(out)} is the input cache; write the .kvz to another path")
         return _compress(cache, out, budget=budget, bank=bank, config=config, embed_bank=embed_bank,
-                         coder=coder, lossless=lossless, threads=threads, progress=progress)
+                         coder=coder, lossless=lossless, threads=threads, progress=progress,
+                         trust_rope=trust_rope)
     except KvzError as e:
         if src and src not in str(e):
             raise type(e)(f"{src}: {e}") from None
@@ -200,7 +205,7 @@ def rans_tokens(q: np.ndarray) -> np.ndarray:
 
 
 def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, coder, lossless, threads,
-              progress) -> CompressInfo:
+              progress, trust_rope: bool = False) -> CompressInfo:
     config = config or CodecConfig()
     lay = cache.layout
     if lossless and config.arith != "exact":
@@ -218,9 +223,11 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
     w = budget.tensor_weights(lay.tensor_names(), bank)
     budget = budget.resolved(w)
     eps, scope = float(budget.eps or 0.0), budget.scope  # eps is known once resolved
-    from alignpred.cache.detect import check_rope
+    from alignpred.cache.detect import check_rope, check_rope_theta
 
     check_rope(lay, bank, cache.tensors)
+    if not trust_rope and config.rope_undo:
+        check_rope_theta(lay, cache.tensors)
     enc = Encoder(lay, bank, config, budget, coder, weights=w, threads=threads)
     bank_bytes = bank.to_bytes() if embed_bank else b""
     n_obj = enc.n_obj
