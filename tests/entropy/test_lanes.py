@@ -346,3 +346,29 @@ def test_torch_reference_decodes_an_object_in_lock_step():
         lanes_torch.decode(buf[:-2], ids, q.shape)
     with pytest.raises(FormatError):
         lanes_torch.decode(buf + b"\0\0", ids, q.shape)
+
+
+_AVX512_CHILD = """
+import numba, numpy as np
+from alignpred.entropy import lanes, lanes_simd
+q = np.zeros((6, 100), np.int32)       # nothing jitted runs here: the code is for another CPU
+args = (np.zeros(300, np.uint16), 298, 96, np.arange(6, dtype=np.int64), lanes.tables()[1], 12, q)
+sig = tuple(numba.typeof(a) for a in args)
+lanes_simd.decode_simd.compile(sig)
+asm = lanes_simd.decode_simd.inspect_asm(sig)
+print(lanes_simd.target_isa(), sum("vpgatherdd" in ln and "%k" in ln for ln in asm.splitlines()))
+"""
+
+
+def test_avx512_target_compiles_to_masked_gathers(tmp_path):
+    """The AVX-512 flavour is generated (not run: the machine may lack AVX-512) with mask-register
+    gathers."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update({"NUMBA_CPU_NAME": "znver4", "NUMBA_CACHE_DIR": str(tmp_path),
+                "NUMBA_CPU_FEATURES": "+64bit,+sse2,+sse4.2,+popcnt,+avx,+avx2,+fma,+bmi,+bmi2,+f16c,+lzcnt,"
+                                      "+avx512f,+avx512vl,+avx512bw,+avx512dq,+avx512cd"})
+    child = subprocess.run([sys.executable, "-c", _AVX512_CHILD], env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert child.returncode == 0, child.stderr[-2000:]
+    isa, n_gathers = child.stdout.split()[-2:]
+    assert isa == "avx512" and int(n_gathers) >= 8
