@@ -283,12 +283,16 @@ def calibrate(caches, out, rank, depth, group_size, no_rotations, eps_cal, force
 @cli.command()
 @click.argument("src", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--verify", "check", is_flag=True, help="Also check every payload checksum (kvz verify decodes too).")
 @_errors
-def inspect(src, as_json):
+def inspect(src, as_json, check):
     """Show layout, bits per value and achieved error per tensor, and the bank id."""
     from alignpred import KvzReader
 
-    s = KvzReader(src).summary()
+    r = KvzReader(src)
+    if check:
+        r.verify()
+    s = r.summary()
     lay = s["layout"]
     cap = f", tensor cap {s['tensor_cap']:g} x eps" if s["tensor_cap"] else ""
     lines = [f"{s['file']}: kvz {s['version']}, {lay['model'] or 'unknown model'}, {lay['num_layers']} layers x "
@@ -342,6 +346,37 @@ def bank_add(path, name, force, as_json):
 
     e = add(path, name, force)
     _emit({"name": e.name, "id": e.id, "path": e.path}, as_json, [f"{e.name}: {e.id} -> {e.path}"])
+
+
+@cli.command()
+@click.argument("srcs", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
+@click.option("--bank", type=click.Path(dir_okay=False), help="Bank the files were written with (if not embedded).")
+@click.option("--no-decode", is_flag=True, help="Check every checksum only (no decode).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Decode threads.")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@_errors
+def verify(srcs, bank, no_decode, threads, as_json, quiet):
+    """Check .kvz files: every checksum (preamble, header, index, payloads, embedded bank), then
+    decode every tier of every object. Exits non-zero on the first fault, naming it."""
+    _skip_numba_blas_probe()
+    from alignpred import KvzReader
+
+    rows = []
+    for src in srcs:
+        r = KvzReader(src, bank=bank, threads=threads)  # preamble, header and index checked on open
+        checked = r.verify()
+        tiers = [] if no_decode else list(r.tiers)
+        with _progress(len(tiers) * len(r.metas), f"verify {os.path.basename(src)}", quiet) as bar:
+            for tier in tiers:
+                for _ in r.iter_layers(tier=tier):
+                    bar.update(1)
+        rows.append({"file": src, "bytes_checked": checked, "tiers_decoded": tiers})
+        line = f"{src}: ok ({checked} payload bytes checked" + (f"; decoded {', '.join(tiers)})" if tiers else ")")
+        if not as_json:
+            click.echo(line)
+    if as_json:
+        click.echo(json.dumps({"files": rows}, indent=2, sort_keys=True))
 
 
 @bank.command("show")

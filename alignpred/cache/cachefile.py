@@ -178,8 +178,17 @@ def _dtname(dt) -> str:
     raise LayoutError(f"unsupported dtype {dt}")
 
 
-def save_cache(path, tensors: dict, metadata: dict | None = None) -> None:
-    """Write a cache atomically as safetensors."""
+def save_cache(path, tensors, metadata: dict | None = None) -> None:
+    """Write a cache atomically as safetensors: ``tensors`` is ``{name: array}`` or a
+    :class:`Cache` (its metadata is written unless ``metadata`` is given); ``save_cache(cache,
+    path)`` is accepted too."""
+    if isinstance(path, Cache) and not isinstance(tensors, Cache):
+        path, tensors = tensors, path
+    if isinstance(tensors, Cache):
+        tensors, metadata = tensors.tensors, tensors.metadata if metadata is None else metadata
+    if not isinstance(tensors, dict):
+        raise KvzError(f"save_cache(path, tensors): tensors must be a Cache or {{name: array}}, got "
+                       f"{type(tensors).__name__}")
     try:
         atomic_write(path, cache_bytes(tensors, metadata))
     except KvzError:

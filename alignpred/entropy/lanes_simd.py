@@ -131,11 +131,10 @@ def _step(builder, isa, x, p, mb, td, wd, pv, smask, wmaxv):
     w1 = builder.lshr(g, _splat(16))
     x, p, n1 = _renorm(builder, x, p, w0)
     # raw chunk 1: k1 = min(nb, 16) bits, nb = 0 for tokens < 16
-    big = builder.icmp_unsigned(">=", tok, _splat(16))
-    nb = builder.select(big, builder.add(builder.lshr(builder.sub(tok, _splat(16)), _splat(2)), _splat(2)),
-                        _splat(0))
+    big = builder.icmp_signed(">", tok, _splat(15))
+    nb = builder.and_(builder.sext(big, _V), builder.sub(builder.lshr(tok, _splat(2)), _splat(2)))
     k1 = _umin(builder, nb, _splat(16))
-    r = builder.and_(x, builder.sub(builder.shl(_splat(1), k1), _splat(1)))
+    r = builder.and_(x, builder.xor(builder.shl(_splat(-1), k1), _splat(-1)))
     x = builder.lshr(x, k1)
     x, p, _ = _renorm(builder, x, p, builder.select(n1, w1, w0))
     # raw chunk 2 (nb > 16), only when some lane needs it
@@ -157,27 +156,28 @@ def _step(builder, isa, x, p, mb, td, wd, pv, smask, wmaxv):
         phi.add_incoming(b, bb_in)
         phis.append(phi)
     r, x, p = phis
-    # value: u = tok (tok < 16) or 2**n | m 2**(n-1) | s | r << 1 with n = nb + 2
-    nn = builder.add(nb, _splat(2))
-    ub = builder.or_(builder.or_(builder.shl(_splat(1), nn),
-                                 builder.shl(builder.and_(builder.lshr(tok, _splat(1)), _splat(1)),
-                                             builder.sub(nn, _splat(1)))),
-                     builder.or_(builder.and_(tok, _splat(1)), builder.shl(r, _splat(1))))
-    u = builder.select(big, ub, tok)
-    v = builder.xor(builder.lshr(u, _splat(1)), builder.sub(_splat(0), builder.and_(u, _splat(1))))
+    # value: a ^ -s with a = (hi << nb) | r, s = tok & 1, hi = tok >> 1 (tok < 16) or 2 | m (the bit
+    # after the leading one, bit 1 of tok): u = 2a + s is the zigzag code of the value
+    t1 = builder.lshr(tok, _splat(1))
+    hi = builder.select(big, builder.or_(builder.and_(t1, _splat(1)), _splat(2)), t1)
+    a = builder.or_(builder.shl(hi, nb), r)
+    v = builder.xor(a, builder.sub(_splat(0), builder.and_(tok, _splat(1))))
     return x, p, v
 
 
 @intrinsic
-def _run(typingctx, xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec):
+def _run(typingctx, xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec, mbc, N, rs, c0):
     """Decode ``ngroups`` steps of all 32 lanes: states ``xs`` (uint32 [32]) and positions ``ps``
     (int32 [32]) in/out, words ``w`` (uint16, readable up to index ``wmax + 1``), table ``tab``
-    (uint32), per-lane table offsets ``mbase`` (int32 [32]), values to ``out[ooff + 32k + l]``."""
-    sig = types.void(xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec)
+    (uint32).  ``N == 0``: per-lane table offsets ``mbase`` (int32 [32]), values to ``out[ooff + 32k
+    + l]``.  ``N > 0`` (a multiple of 32: every group inside one channel): walk the channels from
+    ``c0`` (position ``ooff`` in it), table offset ``mbc[c]`` (int32), values to element ``c * rs + t``
+    of ``out`` (rows of unit stride)."""
+    sig = types.void(xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec, mbc, N, rs, c0)
 
     def codegen(context, builder, sig, args):
         isa = isa_of(context.codegen()._tm_features)
-        xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec = args
+        xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec, mbc, N, rs, c0 = args
         ta = sig.args
 
         def data(i, v):
@@ -185,6 +185,7 @@ def _run(typingctx, xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec):
 
         xd, pd, wd, td, md, od = (data(0, xs), data(1, ps), data(2, w), data(4, tab), data(5, mbase),
                                   data(7, out))
+        cd = builder.bitcast(data(10, mbc), _I32.as_pointer())
         xd = builder.bitcast(xd, _I32.as_pointer())
         pd = builder.bitcast(pd, _I32.as_pointer())
         md = builder.bitcast(md, _I32.as_pointer())
@@ -205,11 +206,21 @@ def _run(typingctx, xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec):
         for j in range(nv):
             builder.store(builder.load(vptr(xd, j), align=4), sx[j])
             builder.store(builder.load(vptr(pd, j), align=4), sp[j])
+        walk = builder.icmp_signed(">", N, ir.Constant(_I64, 0))
+        sc = cgutils.alloca_once_value(builder, c0)
+        st = cgutils.alloca_once_value(builder, ooff)
         with cgutils.for_range(builder, ngroups) as loop:
-            off = builder.add(ooff, builder.mul(loop.index, ir.Constant(_I64, 32)))
+            c, t = builder.load(sc), builder.load(st)
+            off = builder.select(walk, builder.add(builder.mul(c, rs), t),
+                                 builder.add(ooff, builder.mul(loop.index, ir.Constant(_I64, 32))))
+            mbw = _vsplat(builder, builder.load(builder.gep(cd, [builder.select(walk, c, ir.Constant(_I64, 0))])))
+            t = builder.add(t, ir.Constant(_I64, 32))
+            wrap = builder.icmp_signed("==", t, N)
+            builder.store(builder.select(wrap, ir.Constant(_I64, 0), t), st)
+            builder.store(builder.add(c, builder.zext(wrap, _I64)), sc)
             for j in range(nv):
-                x, p, v = _step(builder, isa, builder.load(sx[j]), builder.load(sp[j]), mbs[j], td, wd, pv, smask,
-                                wmaxv)
+                x, p, v = _step(builder, isa, builder.load(sx[j]), builder.load(sp[j]),
+                                builder.select(walk, mbw, mbs[j]), td, wd, pv, smask, wmaxv)
                 dst = builder.gep(od, [builder.add(off, ir.Constant(_I64, VW * j))])
                 builder.store(v, builder.bitcast(dst, _V.as_pointer()), align=4)
                 builder.store(x, sx[j])
@@ -247,31 +258,40 @@ def decode_simd(w, W, hw, ids, dtab, prec, out):
     for ln in range(32):
         ps[ln] = np.int32(min(pos[ln], W))
     mbase = np.empty(32, np.int32)
+    mbc = np.empty(C, np.int32)
+    for c in range(C):
+        mbc[c] = np.int32(ids[c] << prec)
     row = np.empty(32 * max(1, min(g_full, 64)), np.int32)
     contiguous = N == 0 or out.strides[1] == 4
-    g = 0
+    if contiguous and N % 32 == 0 and g_full:
+        # every group inside one channel: one call walks all of them
+        _run(xs, ps, w, W, dtab, mbase, g_full, out, 0, prec, mbc, N, out.strides[0] // 4, 0)
+        g_full_done = g_full
+    else:
+        g_full_done = 0
+    g = g_full_done
     while g < g_full:
         i0 = 32 * g
         c0 = i0 // N
         if (i0 + 31) // N == c0:
             g1 = min(g_full, ((c0 + 1) * N) // 32)
             for ln in range(32):
-                mbase[ln] = np.int32(ids[c0] << prec)
+                mbase[ln] = mbc[c0]
             t0 = i0 - c0 * N
             if contiguous:
-                _run(xs, ps, w, W, dtab, mbase, g1 - g, out[c0], t0, prec)
+                _run(xs, ps, w, W, dtab, mbase, g1 - g, out[c0], t0, prec, mbc, 0, 0, 0)
             else:
                 for gg in range(g, g1, 64):
                     ng = min(64, g1 - gg)
-                    _run(xs, ps, w, W, dtab, mbase, ng, row, 0, prec)
+                    _run(xs, ps, w, W, dtab, mbase, ng, row, 0, prec, mbc, 0, 0, 0)
                     tt = t0 + 32 * (gg - g)
                     for k in range(32 * ng):
                         out[c0, tt + k] = row[k]
             g = g1
         else:
             for ln in range(32):
-                mbase[ln] = np.int32(ids[(i0 + ln) // N] << prec)
-            _run(xs, ps, w, W, dtab, mbase, 1, row, 0, prec)
+                mbase[ln] = mbc[(i0 + ln) // N]
+            _run(xs, ps, w, W, dtab, mbase, 1, row, 0, prec, mbc, 0, 0, 0)
             for ln in range(32):
                 c = (i0 + ln) // N
                 out[c, i0 + ln - c * N] = row[ln]

@@ -225,6 +225,7 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
     eps, scope = float(budget.eps or 0.0), budget.scope  # eps is known once resolved
     from alignpred.cache.detect import check_rope, check_rope_theta
 
+    bank.check_layout(lay)  # a bank of another shape says so before any RoPE question
     check_rope(lay, bank, cache.tensors)
     if not trust_rope and config.rope_undo:
         check_rope_theta(lay, cache.tensors)
