@@ -68,6 +68,30 @@ as above) in forward order.  Decoding must end with an empty coder, all padding 
 no word left over.  It is ~5-10x slower than ``rans4`` (about 60 M symbols/s encode, 20 M
 symbols/s decode on one core) and exists as an independent reference implementation.
 
+Bitstream of coder ``lanes32`` (``CODER_IDS['lanes32'] == 2``; format 1.2)
+-------------------------------------------------------------------------
+
+32 rANS lanes in lock-step, made for SIMD and GPU decoders (:mod:`alignpred.entropy.lanes`;
+normative text: ``format_spec/kvz.md`` §7.3).  Same token mapping and symbol order; symbol
+``i`` is on lane ``i mod 32``.  *Tables*: 12-bit frequencies ``g[m, t]`` from ``f[m, t]`` by
+``g = max(1, (f * 2**12 + 2**14) >> 15)``, then the largest ``g`` of a model (lowest token on
+ties) is decremented (or incremented) one at a time until the model sums to ``2**12``; the
+decoder's one lookup per symbol is ``dtab[m, s] = g << 20 | (s - cum) << 8 | token``.
+*Lanes*: 32-bit states in ``[2**16, 2**32)``, renormalisation by 16-bit words read from the
+lane's own stream; after the token, the ``nb`` raw bits are coded in the same state as uniform
+chunks (low ``min(nb, 16)`` bits, then the ``nb - 16`` high bits), so no data is shared
+between lanes.  The encoder starts every lane at ``2**16`` and codes symbols from the last to
+the first (chunk 2, chunk 1, token; push ``x mod 2**16`` when ``x >= 2**(32 - b)`` for a
+``b``-bit chunk or ``x >= g * 2**20`` for a token).  *Payload* (uint16 LE): 64 words of final
+states (lane ``l``: low at ``2l``, high at ``2l + 1``), 32 lane word counts (one word each, two
+— low, high — when a lane holds more than 21845 symbols), then the 32 lane streams in lane
+order.  *Decoding*: states ``>= 2**16``; the counts must tile the payload exactly; per symbol
+``s = x mod 2**12``, ``x = g (x >> 12) + s - cum``, renormalise (``x < 2**16``: ``x = x << 16 |
+next word``), then the raw chunks (``r = x mod 2**b``, ``x >>= b``, renormalise).  Valid iff
+every lane ends at ``2**16`` having read exactly its own words; otherwise ``FormatError``.
+Decoders: ``simd`` (LLVM vector code with gathers), ``portable`` (one lane at a time; choose
+with ``KVZ_LANES_PATH``), and a torch reference (:mod:`alignpred.entropy.lanes_torch`).
+
 >>> q = np.array([[0, 1, -1, 2], [100, -7, 0, 2**31 - 1]], dtype=np.int32)
 >>> ids = choose_models(q)
 >>> buf = encode(q, ids)
