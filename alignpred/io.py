@@ -74,6 +74,15 @@ def remove_stale_temps(path, min_age: float = 2.0) -> list[str]:
     return removed
 
 
+def write_error(path, e: OSError, what: str = "") -> KvzError:
+    """The one wording of a failed write: the user's path, the system's reason, and for a full
+    disk what to do. ``what`` says which file of the job failed (e.g. the temporary spool)."""
+    import errno
+
+    hint = ("; free some space or write elsewhere (-o)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+    return KvzError(f"cannot write {path}: {e.strerror or e}{what}{hint}")
+
+
 @contextlib.contextmanager
 def atomic_file(path):
     """Context manager yielding a binary file (seekable) that replaces ``path`` atomically when
@@ -93,7 +102,7 @@ def atomic_file(path):
     try:
         fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
     except OSError as e:  # name the user's path, not the temporary one
-        raise KvzError(f"cannot write {path}: {e.strerror or e}") from None
+        raise write_error(path, e) from None
     try:
         # the lock marks the temp file as live; it is held until the file has been renamed
         with os.fdopen(fd, "w+b") as f:
@@ -110,10 +119,7 @@ def atomic_file(path):
         except OSError:
             pass
         if isinstance(e, OSError):
-            import errno
-
-            hint = "; free some space or write elsewhere (-o)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-            raise KvzError(f"cannot write {path}: {e.strerror or e}{hint}") from e
+            raise write_error(path, e) from e
         raise
     try:
         dfd = os.open(d, os.O_RDONLY)
@@ -123,6 +129,10 @@ def atomic_file(path):
             os.close(dfd)
     except OSError:
         pass
+
+
+SPOOL_NOTE = (" (the temporary spool next to the output: compressing needs about twice the output's size free, "
+              "the spool and the file)")
 
 
 def atomic_write(path, chunks: Iterable[bytes]) -> int:
@@ -244,7 +254,7 @@ def spool_file(near=None):
     try:
         return tempfile.TemporaryFile(dir=d)
     except OSError as e:
-        raise KvzError(f"cannot write {os.fspath(near)}: {e.strerror or e}") from None
+        raise write_error(os.fspath(near), e, SPOOL_NOTE) from None
 
 
 def ensure_dir(path) -> str:

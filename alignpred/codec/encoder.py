@@ -123,8 +123,9 @@ class Encoder(Chain):
             base = plan.predict(m, local, z.shape[0])
         q, wh, big = quantize(z, delta_rows, (m & INTERP) != 0, self.config.object_size, base=base)
         if big >= 2.0 ** 30:
-            raise EncodeError(f"eps {self.eps:g} is too small for this cache: its quantisation steps give symbols beyond "
-                              f"2**30; use eps >= {self.eps * big / 2.0 ** 29:.1e}, or --lossless for the exact bits")
+            raise EncodeError(f"eps {self.eps:g} is too small for this cache: its quantisation steps give symbols "
+                              f"beyond 2**30; use eps >= {self.eps * big / 2.0 ** 29:.1e}, or --lossless for the "
+                              "exact bits")
         rec = base + wh
         if zero_rows.any():
             q[zero_rows] = 0

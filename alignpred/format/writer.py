@@ -43,7 +43,7 @@ from alignpred.format.container import (
     pack_preamble,
 )
 from alignpred.format.header import build_header, minor_for
-from alignpred.io import atomic_write, release_pages, same_file, spool_file
+from alignpred.io import SPOOL_NOTE, atomic_write, release_pages, same_file, spool_file, write_error
 from alignpred.threads import blas_single_thread, stepwise
 
 CODER = "rans4"  # default entropy coder; "constriction" is the reference alternative
@@ -253,8 +253,7 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
                 obs[k] = ob
             spool.flush()
         except OSError as e:  # name the output: the spool file has no name of its own
-            raise KvzError(f"cannot write {os.fspath(out) if is_path else 'the output'}: {e.strerror or e} "
-                           "(temporary spool)") from None
+            raise write_error(os.fspath(out) if is_path else "the output", e, SPOOL_NOTE) from None
         metas: list[TensorMeta] = enc.metas
         entries: list[IndexEntry] = []
         state = {"bytes": 0}
@@ -275,8 +274,7 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
             try:
                 robs, rwhere, pos = _refinement(cache, enc, metas, obs, read_spool, spool, pos)
             except OSError as e:
-                raise KvzError(f"cannot write {os.fspath(out) if is_path else 'the output'}: {e.strerror or e} "
-                               "(temporary spool)") from None
+                raise write_error(os.fspath(out) if is_path else "the output", e, SPOOL_NOTE) from None
             tiers.append("exact")
 
         def chunks():

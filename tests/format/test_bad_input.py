@@ -273,3 +273,17 @@ def test_disk_full_tmpfs(base, tmp_path):
         assert os.listdir(mnt) == ["small.kvz"]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # lazy: a reader may still map a file
+
+
+def test_disk_full_in_the_spool_says_how_much_room_is_needed(base, tmp_path, monkeypatch):
+    """Compress spools payloads next to the output before writing the file: a full disk there is
+    the same one-line message as for the file, saying that about twice the output's size is needed."""
+    d, c, bank = base
+    import alignpred.io as aio
+
+    real = aio.tempfile.TemporaryFile
+    monkeypatch.setattr(aio.tempfile, "TemporaryFile", lambda *a, **k: _FullFile(real(*a, **k), 100))
+    with pytest.raises(KvzError, match=r"full.kvz: No space left on device \(the temporary spool.*twice the output's "
+                                       r"size free.*; free some space"):
+        compress(c, tmp_path / "full.kvz", eps=0.05, bank=bank)
+    assert leftovers(tmp_path) == []
