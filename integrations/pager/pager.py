@@ -118,19 +118,8 @@ class KvPager:
 
     @property
     def budget_bytes(self) -> int:
+        """The bound on resident + reserved page bytes (the figures themselves are in :attr:`stats`)."""
         return self._budget.budget_bytes
-
-    @property
-    def resident_bytes(self) -> int:
-        return self._budget.resident_bytes
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self._budget.reserved_bytes
-
-    @property
-    def peak_bytes(self) -> int:
-        return self._budget.peak_bytes
 
     # -- registry ---------------------------------------------------------------------------------
     def add(self, key, source) -> None:

@@ -31,90 +31,31 @@ an argmax flip then needs a top-2 logit gap below that noise. :class:`Generation
 smallest top-2 gap and the benchmark compares both modes against :func:`greedy_reference`.
 
 The drafter can be anything: a poor drafter costs acceptance, never correctness.
+
+The pieces: :mod:`~kvz.integrations.verify.drafters` (the drafter's context),
+:mod:`~kvz.integrations.verify.paged` (the verifier's, through the pager),
+:mod:`~kvz.integrations.verify.accept` (acceptance rules); this module holds the full-KV
+reference (:func:`greedy_reference`) and the loop (:class:`VeriCacheDecoder`). The model plumbing
+(:func:`~kvz.integrations.hf.build_cache`, :func:`~kvz.integrations.hf.forward_logits`) is the
+transformers adapter's.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvz.integrations.hf.bridge import cache_kwarg as _cache_kw
-from kvz.integrations.hf.bridge import new_cache, text_config
-from kvz.integrations.pager import KvPager, kv_bytes
+from kvz.integrations.hf import build_cache, forward_logits, last_kv, text_config
+from kvz.integrations.pager import kv_bytes
+from kvz.integrations.verify.accept import greedy_accept, probs, residual, sample, speculative_accept, top2_gap
+from kvz.integrations.verify.drafters import DraftCache
 
-__all__ = ["DraftCache", "PagedFullKV", "VeriCacheDecoder", "GenerationResult", "RoundLog", "greedy_reference",
-           "speculative_accept", "greedy_accept", "residual", "window_keep", "snapkv_keep", "text_config",
-           "new_cache", "build_cache", "forward_logits"]
-
-
-# ================================================================================== model plumbing
-
-def build_cache(model, *parts):
-    """A fresh cache holding, per layer, the concatenation along positions of ``parts`` (each a list
-    of ``(key, value)`` torch tensors ``[1, H, t, D]`` or ``[H, t, D]``, one per layer; ``None``
-    entries contribute nothing). Each layer is filled through its own ``update()`` (by
-    :func:`kvz.integrations.hf.bridge.cache_from_kv`) so sliding-window layers keep what they would
-    after a real prefill."""
-    import torch
-
-    n_layers = text_config(model).num_hidden_layers
-    layers = []
-    for i in range(n_layers):
-        ks, vs = [], []
-        for part in parts:
-            if part and part[i] is not None:
-                k, v = part[i]
-                ks.append(k if k.dim() == 4 else k[None])
-                vs.append(v if v.dim() == 4 else v[None])
-        layers.append((ks[0] if len(ks) == 1 else torch.cat(ks, dim=-2),
-                       vs[0] if len(vs) == 1 else torch.cat(vs, dim=-2)))
-    try:
-        from kvz.integrations.hf.bridge import cache_from_kv
-    except ImportError:  # the bridge is optional here: fill the cache the same way
-        cache_from_kv = None
-    if cache_from_kv is not None:
-        return cache_from_kv(model, layers)
-    cache = new_cache(model)
-    dtype = next(model.parameters()).dtype
-    for i, (k, v) in enumerate(layers):
-        cache.update(k.to(dtype), v.to(dtype), i)
-    return cache
+__all__ = ["greedy_reference", "RoundLog", "GenerationResult", "VeriCacheDecoder"]
 
 
-def forward_logits(model, cache, ids, start: int):
-    """float32 logits ``[len(ids), vocab]`` of ``ids`` at positions ``start..`` appended to ``cache``."""
-    import torch
-
-    dev = next(model.parameters()).device
-    inp = torch.tensor([list(ids)], dtype=torch.long, device=dev)
-    pos = torch.arange(start, start + len(ids), device=dev)[None]
-    out = model(input_ids=inp, position_ids=pos, use_cache=True, **{_cache_kw(model): cache})
-    return out.logits[0].float()
-
-
-def _last_kv(cache, n: int, keep: int | None = None):
-    """Clones of the first ``keep`` (default all) of the last ``n`` positions of every layer of
-    ``cache``: ``[(k, v) [1, H, keep, D]]``."""
-    keep = n if keep is None else keep
-    out = []
-    for layer in cache.layers:
-        t = layer.keys.shape[-2]
-        if t < n:
-            raise RuntimeError(f"a cache layer holds {t} positions, fewer than the {n} just appended")
-        out.append((layer.keys[..., t - n:t - n + keep, :].clone(), layer.values[..., t - n:t - n + keep, :].clone()))
-    return out
-
-
-def _top2_gap(logits) -> float:
-    top = logits.topk(2, dim=-1).values
-    return float((top[..., 0] - top[..., 1]).min())
-
-
-# ================================================================================== references
+# ================================================================================== reference
 
 def greedy_reference(model, context_kv, first_token: int, n_new: int, *, start: int | None = None,
                      return_kv: bool = False):
@@ -132,7 +73,7 @@ def greedy_reference(model, context_kv, first_token: int, n_new: int, *, start: 
         cache = build_cache(model, context_kv)
         for t in range(n_new):
             logits = forward_logits(model, cache, [cur], n0 + t)[-1]
-            gap = min(gap, _top2_gap(logits))
+            gap = min(gap, top2_gap(logits))
             cur = int(logits.argmax())
             toks.append(cur)
         info = {"seconds": time.perf_counter() - t0, "min_top2_gap": gap}
@@ -141,261 +82,6 @@ def greedy_reference(model, context_kv, first_token: int, n_new: int, *, start: 
                            layer.values[..., -min(n_new, layer.values.shape[-2]):, :].clone())
                           for layer in cache.layers]
     return toks, info
-
-
-# ================================================================================== acceptance rules
-
-def greedy_accept(logits, drafts) -> tuple[int, int]:
-    """``(k, token)``: the drafts ``d_1..d_k`` the verifier's argmax agrees with (rows
-    ``0..k-1`` of ``logits``, ``[len(drafts) + 1, V]``), and its own argmax at row ``k`` (the
-    correction, or the bonus token when ``k == len(drafts)``)."""
-    am = logits.argmax(-1).tolist() if hasattr(logits, "argmax") else list(np.argmax(logits, -1))
-    for i, d in enumerate(drafts):
-        if int(am[i]) != int(d):
-            return i, int(am[i])
-    return len(drafts), int(am[len(drafts)])
-
-
-def residual(p_full, p_draft) -> np.ndarray:
-    """The rejection distribution ``norm(max(p_full - p_draft, 0))`` (float64). If it is all
-    zero (``p_draft == p_full``, when a rejection has probability 0) ``p_full`` is returned."""
-    r = np.maximum(np.asarray(p_full, np.float64) - np.asarray(p_draft, np.float64), 0.0)
-    s = r.sum()
-    return r / s if s > 0 else np.asarray(p_full, np.float64) / np.sum(p_full)
-
-
-def _sample(p, rng) -> int:
-    p = np.asarray(p, np.float64)
-    c = np.cumsum(p)
-    u = rng.random() * c[-1]
-    return int(min(np.searchsorted(c, u, side="right"), len(p) - 1))
-
-
-def speculative_accept(p_full, p_draft, drafts, rng) -> tuple[int, int]:
-    """Speculative-sampling acceptance (Leviathan et al. 2023; Chen et al. 2023).
-
-    ``p_full``: ``[x + 1, V]`` verifier distributions (row ``i`` follows ``d_1..d_i``);
-    ``p_draft``: ``[x, V]`` the drafter's distributions the drafts were sampled from;
-    ``drafts``: ``d_1..d_x``; ``rng``: a numpy Generator. Returns ``(k, token)``: ``d_1..d_k``
-    accepted, then ``token`` - resampled from the residual at the first rejection, or drawn from
-    ``p_full[x]`` when all were accepted. The emitted sequence is distributed as sampling from
-    ``p_full`` autoregressively."""
-    for i, d in enumerate(drafts):
-        d = int(d)
-        pf, pd = float(p_full[i][d]), float(p_draft[i][d])
-        if rng.random() < (1.0 if pd <= 0 else min(1.0, pf / pd)):
-            continue
-        return i, _sample(residual(p_full[i], p_draft[i]), rng)
-    return len(drafts), _sample(p_full[len(drafts)], rng)
-
-
-def _probs(logits, temperature: float) -> np.ndarray:
-    z = logits.double() / temperature
-    return (z - z.logsumexp(-1, keepdim=True)).exp().cpu().numpy()
-
-
-# ================================================================================== caches
-
-class DraftCache:
-    """The drafter's context: per layer ``(k, v)`` torch float32 ``[1, H, n_kept, D]`` (every layer
-    keeps the same number of positions; keys carry their RoPE, so which positions were kept does
-    not matter to the model, and new tokens get their true positions). ``resident_bytes``: what
-    the drafter keeps resident for the context (file bytes of a .kvz, or the kept positions at the
-    stored precision); ``dense_bytes``: the decoded tensors at the stored precision."""
-
-    def __init__(self, layers_kv, n_context: int, *, kind: str, resident_bytes: int, dense_bytes: int,
-                 info: dict | None = None):
-        self.layers_kv = layers_kv
-        self.n_context = int(n_context)
-        self.kind = kind
-        self.resident_bytes = int(resident_bytes)
-        self.dense_bytes = int(dense_bytes)
-        self.info = dict(info or {})
-
-    @property
-    def n_kept(self) -> int:
-        return int(self.layers_kv[0][0].shape[-2])
-
-    @classmethod
-    def from_kvz(cls, source, *, bank=None, tier: str | None = None) -> DraftCache:
-        """Decode a .kvz (path / bytes; ``tier="coarse"`` for a two-tier file) to float32."""
-        import torch
-
-        from alignpred import KvzReader
-
-        r = KvzReader(source, bank=bank)
-        kw = {"tier": tier} if tier is not None else {}
-        lay = r.layout
-        out = []
-        for _, k, v in r.layers(**kw):
-            k = k[0] if k.ndim == 4 else k
-            v = v[0] if v.ndim == 4 else v
-            out.append((torch.from_numpy(np.asarray(k, np.float32))[None],
-                        torch.from_numpy(np.asarray(v, np.float32))[None]))
-        size = len(memoryview(source).cast("B")) if isinstance(source, (bytes, bytearray, memoryview)) \
-            else os.path.getsize(source)
-        tiers = tuple(getattr(r, "tiers", ("coarse",)))
-        if len(tiers) > 1 and tier == "coarse":  # the drafter keeps the coarse tier only
-            tb = r.summary().get("tier_payload_bytes", {})
-            if tb:
-                size -= sum(v for k, v in tb.items() if k != "coarse")
-        return cls(out, lay.n_tokens, kind="kvz", resident_bytes=size, dense_bytes=kv_bytes(lay),
-                   info={"eps": r.eps, "tier": tier, "tiers": list(tiers), "bpv": 8.0 * size / lay.n_values})
-
-    @classmethod
-    def token_dropped(cls, context_kv, keep, *, dtype_bytes: int = 2, kind: str = "drop") -> DraftCache:
-        """Keep positions ``keep`` (a 1-D index array for every layer, or a list of per-layer
-        arrays of one length) of the context K/V ``[(k, v)]`` (``[H, n0, D]`` torch)."""
-        import torch
-
-        n0 = int(context_kv[0][0].shape[-2])
-        per_layer = keep if isinstance(keep, (list, tuple)) else [keep] * len(context_kv)
-        lens = {len(k) for k in per_layer}
-        if len(lens) != 1:
-            raise ValueError("every layer must keep the same number of positions")
-        out = []
-        for (k, v), idx in zip(context_kv, per_layer):
-            idx_t = torch.as_tensor(np.sort(np.asarray(idx)), dtype=torch.long)
-            k = k if k.dim() == 4 else k[None]
-            v = v if v.dim() == 4 else v[None]
-            out.append((k.index_select(-2, idx_t).float().contiguous(), v.index_select(-2, idx_t).float().contiguous()))
-        H, D = out[0][0].shape[1], out[0][0].shape[-1]
-        n_kept = lens.pop()
-        dense = 2 * len(out) * H * n0 * D * dtype_bytes
-        return cls(out, n0, kind=kind, resident_bytes=2 * len(out) * H * n_kept * D * dtype_bytes,
-                   dense_bytes=dense, info={"keep_frac": n_kept / n0})
-
-
-def window_keep(n0: int, frac: float, sinks: int = 4) -> np.ndarray:
-    """StreamingLLM-style: the first ``sinks`` positions and the most recent ones, ``round(frac * n0)`` in all."""
-    k = max(sinks + 1, int(round(frac * n0)))
-    if k >= n0:
-        return np.arange(n0)
-    return np.concatenate([np.arange(sinks), np.arange(n0 - (k - sinks), n0)])
-
-
-def snapkv_keep(model, context_ids, context_kv, frac: float, *, window: int = 16, sinks: int = 4,
-                pool: int = 7) -> list:
-    """SnapKV-style per-layer selection: score context positions by the attention the last
-    ``window`` context tokens pay them (summed over query heads and those queries, max-pooled
-    over ``pool`` neighbours), keep the top ones plus the sinks and the observation window,
-    ``round(frac * n0)`` per layer. Attention probabilities are recomputed from the model's own
-    queries (a forward hook on each attention module with the eager kernel)."""
-    import torch
-
-    n0 = len(context_ids)
-    k_keep = max(sinks + window + 1, int(round(frac * n0)))
-    if k_keep >= n0:
-        return [np.arange(n0)] * len(context_kv)
-    head = context_kv
-    prev = getattr(model.config, "_attn_implementation", None)
-    try:
-        model.set_attn_implementation("eager")
-        cache = build_cache(model, [(k[..., :n0 - window, :], v[..., :n0 - window, :]) for k, v in head])
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([list(context_ids[n0 - window:])]),
-                        position_ids=torch.arange(n0 - window, n0)[None], use_cache=True,
-                        output_attentions=True, **{_cache_kw(model): cache})
-        atts = out.attentions
-    finally:
-        if prev is not None:
-            model.set_attn_implementation(prev)
-    keep = []
-    for a in atts:  # [1, heads, window, kv_len]
-        a = a[0].float()
-        kv_len = a.shape[-1]
-        score = a.sum(dim=(0, 1))[: kv_len - window]  # the prefix positions (sliding layers: last part)
-        full = torch.zeros(n0 - window)
-        full[n0 - window - score.shape[0]:] = score
-        if pool > 1:
-            full = torch.nn.functional.max_pool1d(full[None, None], pool, stride=1, padding=pool // 2)[0, 0]
-        full[:sinks] = math.inf
-        extra = k_keep - window
-        top = torch.topk(full, extra).indices.numpy()
-        keep.append(np.sort(np.concatenate([top, np.arange(n0 - window, n0)])))
-    return keep
-
-
-class PagedFullKV:
-    """The verifier's context K/V: paged in through ``pager`` (source registered under ``key``)
-    into float32 staging buffers on every verify, as a serving runtime would page it into HBM."""
-
-    def __init__(self, pager: KvPager, key, *, prefetch: bool = True, overlap: bool = False):
-        import torch
-
-        self.pager, self.key = pager, key
-        self.overlap = bool(overlap)
-        src = pager.source(key)
-        lay = src.layout
-        self.layout = lay
-        self.n_context = lay.n_tokens
-        shape = (1, lay.kv_heads, lay.n_tokens, lay.head_dim)
-        self.staging = [(torch.empty(shape), torch.empty(shape)) for _ in range(lay.num_layers)]
-        self.bytes_per_load = kv_bytes(lay)  # at the stored precision
-        self.loads = 0
-        self.seconds = 0.0
-        self.prefetch = prefetch
-
-    def page_in(self):
-        t0 = time.perf_counter()
-        for _ in self.pager.layers(self.key, (0, self.n_context), out=lambda i: self.staging[i]):
-            pass
-        self.loads += 1
-        self.seconds += time.perf_counter() - t0
-        return self.staging
-
-    @contextlib.contextmanager
-    def lazy_cache(self, model, tail_kv):
-        """A verifier cache whose layers are filled from the pager as the forward pass reaches them
-        (a forward pre-hook on every decoder layer), so paging overlaps the forward of the layers
-        below. The layers the attention masks are sized from (the first of each kind) are filled
-        before the forward starts. ``tail_kv``: per layer the exact tail ``(k, v)`` or None."""
-        import torch
-
-        from kvz.integrations.hf.rope import decoder_of
-
-        cache = new_cache(model)
-        dtype = next(model.parameters()).dtype
-        gen = self.pager.layers(self.key, (0, self.n_context), out=lambda i: self.staging[i])
-        staged, filled = set(), set()
-        t_start = time.perf_counter()
-        wait = 0.0
-
-        def fill(L):
-            nonlocal wait
-            if L in filled:
-                return
-            t0 = time.perf_counter()
-            while L not in staged:
-                staged.add(next(gen)[0])
-            wait += time.perf_counter() - t0
-            k, v = self.staging[L]
-            if tail_kv[L] is not None:
-                k, v = torch.cat([k, tail_kv[L][0]], dim=-2), torch.cat([v, tail_kv[L][1]], dim=-2)
-            cache.update(k.to(dtype), v.to(dtype), L)
-            filled.add(L)
-
-        kinds = list(getattr(cache, "is_sliding", []) or [])
-        first = {0} | {kinds.index(b) for b in (True, False) if b in kinds}
-        for L in sorted(first):
-            fill(L)
-        hooks = [layer.register_forward_pre_hook(lambda mod, args, L=i: fill(L))
-                 for i, layer in enumerate(decoder_of(model).layers)]
-        try:
-            yield cache
-        finally:
-            for h in hooks:
-                h.remove()
-            gen.close()
-            self.loads += 1
-            self.seconds += time.perf_counter() - t_start
-            self.last_wait = wait
-
-    def prefetch_next(self):
-        """Ask the pager to bring the context's pages in ahead of the next verify."""
-        if self.prefetch:
-            return self.pager.prefetch(self.key, (0, self.n_context))
-        return None
 
 
 # ================================================================================== the loop
@@ -497,9 +183,9 @@ class VeriCacheDecoder:
                         if greedy:
                             tok = int(lg.argmax())
                         else:
-                            p = _probs(lg, self.temperature)
+                            p = probs(lg, self.temperature)
                             q.append(p)
-                            tok = _sample(p, self.rng)
+                            tok = sample(p, self.rng)
                         drafts.append(tok)
                     del dc
                 t1 = time.perf_counter()
@@ -537,31 +223,31 @@ class VeriCacheDecoder:
             lg = forward_logits(self.model, vc, seq, start)
             if greedy:
                 k, nxt = greedy_accept(lg, drafts)
-                res.min_top2_gap = min(res.min_top2_gap, _top2_gap(lg[:k + 1]))
+                res.min_top2_gap = min(res.min_top2_gap, top2_gap(lg[:k + 1]))
             else:
-                k, nxt = speculative_accept(_probs(lg, self.temperature), q, drafts, self.rng)
-            return k, nxt, _last_kv(vc, len(seq), k + 1)
+                k, nxt = speculative_accept(probs(lg, self.temperature), q, drafts, self.rng)
+            return k, nxt, last_kv(vc, len(seq), k + 1)
         k = 0
         while True:  # feed seq[k]; its row decides d_{k+1} (or gives the bonus token)
             lg = forward_logits(self.model, vc, [seq[k]], start + k)[-1]
             if greedy:
-                res.min_top2_gap = min(res.min_top2_gap, _top2_gap(lg))
+                res.min_top2_gap = min(res.min_top2_gap, top2_gap(lg))
                 t = int(lg.argmax())
                 if k < xe and t == drafts[k]:
                     k += 1
                     continue
                 nxt = t
             else:
-                p = _probs(lg, self.temperature)
+                p = probs(lg, self.temperature)
                 if k < xe:
                     d = drafts[k]
                     if self.rng.random() < min(1.0, p[d] / q[k][d]):
                         k += 1
                         continue
-                    nxt = _sample(residual(p, q[k]), self.rng)
+                    nxt = sample(residual(p, q[k]), self.rng)
                 else:
-                    nxt = _sample(p, self.rng)
-            return k, nxt, _last_kv(vc, k + 1)
+                    nxt = sample(p, self.rng)
+            return k, nxt, last_kv(vc, k + 1)
 
     @staticmethod
     def _cat(chunks):

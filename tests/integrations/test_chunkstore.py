@@ -1,5 +1,5 @@
-"""The KV chunk store (integrations/chunkstore/core.py): keys, exact prefix reuse, content reuse at another
-position (RoPE re-rotation + repair), corrupt entries, concurrent writers, Redis outages.
+"""The KV chunk store (integrations/chunkstore: keys, serde, store, engine): keys, serdes, exact prefix reuse,
+content reuse at another position (RoPE re-rotation + repair), corrupt entries, concurrent writers, Redis outages.
 
 CI tests use a tiny random-weight Gemma 3 (tests/test_hf_bridge.py) or synthetic KV; the ``model``
 tests run the real Gemma 3 270M. Redis tests start a real redis-server on loopback
@@ -19,7 +19,15 @@ import numpy as np
 import pytest
 
 from alignpred.cache.rope import RopeSpec
-from kvz.integrations.chunkstore import TOKENS_META, ChunkStore, ChunkStoreWarning, split_chunks, tokens_digest
+from kvz.integrations.chunkstore import (
+    TOKENS_META,
+    ChunkStore,
+    ChunkStoreWarning,
+    KvzSerde,
+    RawSerde,
+    split_chunks,
+    tokens_digest,
+)
 from kvz.integrations.kvstore import DirectoryBackend, RedisBackend, StoreWarning
 from kvz.integrations.kvstore.server import redis_server_fixture
 
@@ -74,6 +82,22 @@ def test_keys_chain_and_bind(tmp_path):
     assert st.binding["codec"] == "raw" and st.binding["model"] == "synthetic"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_raw_serde_round_trip(dtype):
+    rng = np.random.default_rng(0)
+    kv = [(rng.standard_normal((2, 5, 8)).astype(np.float32), rng.standard_normal((2, 5, 8)).astype(np.float32))
+          for _ in range(3)]
+    serde = RawSerde(dtype)
+    blob = serde.encode(kv, {"model": "m", "position_offset": 7})
+    out = [(np.zeros((2, 5, 8), np.float32), np.zeros((2, 5, 8), np.float32)) for _ in range(3)]
+    meta = serde.decode_into(blob, lambda i: out[i])
+    assert meta["model"] == "m" and meta["position_offset"] == "7"
+    for (k, v), (ko, vo) in zip(kv, out):
+        assert np.array_equal(ko, k.astype(dtype).astype(np.float32)) and np.array_equal(vo, v.astype(dtype))
+    with pytest.raises(ValueError, match="raw dtype"):
+        RawSerde("int8")
+
+
 def test_binding_holds_codec_bank_eps_format(tmp_path, real_bank):
     from alignpred import CodecConfig
     from alignpred.format.container import MAJOR
@@ -82,6 +106,7 @@ def test_binding_holds_codec_bank_eps_format(tmp_path, real_bank):
     kw = dict(model_id="m", layer_types=["full_attention"] * 18, rope=RopeSpec.from_thetas([1e4] * 18, head_dim=256),
               shape=(18, 1, 256), bank=real_bank)
     s1 = ChunkStore(be, eps=0.02, **kw)
+    assert isinstance(s1.codec, KvzSerde) and s1.codec.bank.id == real_bank.id
     assert s1.binding["format_major"] == MAJOR and s1.binding["bank"] == real_bank.id
     assert s1.binding["config"] == CodecConfig().to_json() and s1.binding["eps"] == 0.02
     ids = list(range(300))

