@@ -18,6 +18,8 @@ from alignpred.kernels.intmap import (
                                       quantize_weights,
                                       reference_predict,
 )
+from alignpred.kernels.intmap_block import BW, BX, COL_BLK, K_CHUNK, R_BLK, WQ_MAX, XQ_MAX
+from alignpred.kernels.intmap_block import _map_predict as map_predict_kernel
 from alignpred.kernels.quantize import candidate_bits, column_entropy_bits, dequant_add, quantize
 from alignpred.kernels.quantize_ref import (
                                       channel_entropy_bits,
@@ -26,7 +28,11 @@ from alignpred.kernels.quantize_ref import (
                                       quantize_residual,
 )
 
-__all__ = ["IntMap", "channel_shifts", "map_predict", "pack_weights", "prepare_weights", "quantize_rows",
-           "quantize_weights", "reference_predict", "fused_post", "reference_post", "candidate_bits",
-           "column_entropy_bits", "dequant_add", "quantize", "channel_entropy_bits", "dequantize_residual",
-           "interp_prediction", "quantize_residual"]
+#: the integer map kernel's register blocking (rows x 16-column vectors) and int32 chunk length
+INTMAP_TILING = {"BX": BX, "BW": BW, "XQ_MAX": XQ_MAX, "WQ_MAX": WQ_MAX, "K_CHUNK": K_CHUNK,
+                 "block": [R_BLK, COL_BLK]}
+
+__all__ = ["map_predict_kernel", "INTMAP_TILING", "IntMap", "channel_shifts", "map_predict", "pack_weights",
+           "prepare_weights", "quantize_rows", "quantize_weights", "reference_predict", "fused_post",
+           "reference_post", "candidate_bits", "column_entropy_bits", "dequant_add", "quantize",
+           "channel_entropy_bits", "dequantize_residual", "interp_prediction", "quantize_residual"]
