@@ -82,14 +82,13 @@ def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, mode
 
     try:
         if model_path is None:
-            from kvz.integrations.hf.gemma import capture as run_capture
+            from kvz.integrations.hf import capture_gemma as run_capture
 
             if not quiet:
                 click.echo("loading Gemma 3 270M ...", err=True)
             s = run_capture(text, tokens, out, dtype=dtype, chunk=chunk, progress=not quiet, source=source)
         else:
-            from kvz.integrations.hf.capture import capture_model, load_model
-            from kvz.integrations.hf.rope import UnsupportedRope
+            from kvz.integrations.hf import UnsupportedRope, capture_model, load_model
 
             mp = Path(model_path).expanduser()
             if not quiet:
