@@ -189,17 +189,20 @@ def encode_kernel(q, ids, packed, prec, hw):
 # --- lane table and validation (shared by the decoders) ----------------------------------------
 
 @njit(cache=True, nogil=True)
-def lane_table(w, W, hw, x, pos, end):
-    """Read states and word counts of the payload ``w`` (uint16, ``W`` words, padded) into
-    ``x`` (uint32 [32]), ``pos``/``end`` (int64 [32]: first and one-past-last word of each lane);
-    returns an ``ERR_*`` code."""
+def lane_table(w, W, hw):
+    """Read states and word counts of the payload ``w`` (uint16, ``W`` words, padded):
+    ``(err, x, pos, end)`` with ``x`` (uint32 [32]) the states and ``pos``/``end`` (int64 [32]) the
+    first and one-past-last word of each lane; ``err`` an ``ERR_*`` code."""
+    x = np.empty(32, np.uint32)
+    pos = np.zeros(32, np.int64)
+    end = np.zeros(32, np.int64)
     if W < hw:
-        return ERR_SHORT
+        return ERR_SHORT, x, pos, end
     o = np.int64(hw)
     for ln in range(32):
         xl = np.uint32(w[2 * ln]) | (np.uint32(w[2 * ln + 1]) << np.uint32(16))
         if xl < np.uint32(STATE_L):
-            return ERR_BAD_STATE
+            return ERR_BAD_STATE, x, pos, end
         x[ln] = xl
         if hw > 96:
             cnt = np.int64(w[64 + 2 * ln]) | (np.int64(w[64 + 2 * ln + 1]) << 16)
@@ -209,8 +212,8 @@ def lane_table(w, W, hw, x, pos, end):
         o += cnt
         end[ln] = o
     if o != W:
-        return ERR_TILING
-    return ERR_OK
+        return ERR_TILING, x, pos, end
+    return ERR_OK, x, pos, end
 
 
 @njit(cache=True, nogil=True)
@@ -275,10 +278,7 @@ def decode_portable(w, W, hw, ids, dtab, prec, out):
     """The portable decoder: lanes one after another, symbol order.  ``w``: uint16 payload
     padded with two zero words (``W`` real words); ``out`` int32 [C, N]."""
     C, N = out.shape
-    x = np.empty(32, np.uint32)
-    pos = np.empty(32, np.int64)
-    end = np.empty(32, np.int64)
-    err = lane_table(w, W, hw, x, pos, end)
+    err, x, pos, end = lane_table(w, W, hw)
     if err != ERR_OK:
         return err
     ln = 0

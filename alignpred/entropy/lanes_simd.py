@@ -237,16 +237,14 @@ def _run(typingctx, xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec, mbc, 
 def decode_simd(w, W, hw, ids, dtab, prec, out):
     """The vectorised decoder (same contract as :func:`~alignpred.entropy.lanes.decode_portable`).
 
-    Whole groups of 32 symbols inside one channel go to the vector kernel in runs (values straight
-    into the channel's row when rows are contiguous), groups across a channel boundary one at a
-    time through a scratch row, and the last partial group through :func:`lane_step`.
+    With rows of unit stride and ``N`` a multiple of 32, one kernel call walks every channel;
+    otherwise whole groups of 32 symbols inside one channel go to the kernel in runs (into the row,
+    or through a scratch row when rows are strided), groups across a channel boundary one at a
+    time through the scratch row.  The last partial group takes :func:`lane_step`.
     """
     C, N = out.shape
     n = C * N
-    x = np.empty(32, np.uint32)
-    pos = np.empty(32, np.int64)
-    end = np.empty(32, np.int64)
-    err = lane_table(w, W, hw, x, pos, end)
+    err, x, pos, end = lane_table(w, W, hw)
     if err != ERR_OK:
         return err
     if W >= (1 << 30):   # vector positions are 32-bit: such payloads take the portable steps
