@@ -18,6 +18,17 @@ def _environment_restored():
         os.environ.clear()
         os.environ.update(before)
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run with ``KVZ_SLOW=1`` (CI runs them: ``.ci/run``) or when selected
+    with ``-m``; the default run (``python -m pytest -q``) skips them to stay within 5 minutes."""
+    if os.environ.get("KVZ_SLOW") == "1" or config.getoption("-m"):
+        return
+    skip = pytest.mark.skip(reason="slow: KVZ_SLOW=1 runs it (CI does)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
 BANK = os.path.join(ROOT, "alignpred", "bank", "data", "gemma-3-270m.h5")

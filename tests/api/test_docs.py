@@ -26,7 +26,7 @@ def test_acceptance_refuses_a_missing_data_set(monkeypatch, capsys):
     monkeypatch.setattr("glob.glob", lambda *a, **k: [])
     # as a script it pins the thread variables for itself; inside the test run that would leak
     # NUMBA_NUM_THREADS=1 into every later numba compile
-    monkeypatch.setattr(acceptance, "_pin_threads", lambda n: None)
+    monkeypatch.setattr(acceptance, "pin_threads", lambda n: None)
     with pytest.raises(SystemExit):
         acceptance.main([])
     assert "make_samples.py --what eval" in capsys.readouterr().err
