@@ -26,18 +26,9 @@ import torch
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from . import _common as C
+from .kvcodec import backend_from_url
 
 __all__ = ["KvzRemoteConnector", "backend_from_url"]
-
-
-def backend_from_url(url: str, budget_bytes: int | None = None):
-    from kvz.integrations.kvstore import DirectoryBackend, RedisBackend
-
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisBackend(url, budget_bytes=budget_bytes)
-    if url.startswith("file://"):
-        url = url[len("file://"):]
-    return DirectoryBackend(url, budget_bytes=budget_bytes)
 
 
 class KvzRemoteConnector(RemoteConnector):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["KvzChunkCodec", "as_numpy", "metadata_from_file", "model_metadata", "MODEL_FIELDS", "nrmse"]
+__all__ = ["KvzChunkCodec", "as_numpy", "backend_from_url", "metadata_from_file", "model_metadata", "MODEL_FIELDS", "nrmse"]
 
 # The cache metadata fields that describe the model (not one cache): what an adapter configures once.
 MODEL_FIELDS = ("model", "layer_types", "rope_theta", "rope_pairing", "keys_roped", "rope", "rotary_dim",
@@ -64,6 +64,18 @@ def as_numpy(x) -> np.ndarray:
             return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
     return np.asarray(x)
+
+
+def backend_from_url(url: str, budget_bytes: int | None = None):
+    """A kvz chunk-store backend for ``redis://host:port/db`` (also ``rediss://``, ``unix://``) or a
+    directory (``file:///path`` or a plain path)."""
+    from kvz.integrations.kvstore import DirectoryBackend, RedisBackend
+
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisBackend(url, budget_bytes=budget_bytes)
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    return DirectoryBackend(url, budget_bytes=budget_bytes)
 
 
 def nrmse(ref, got) -> float:

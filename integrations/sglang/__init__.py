@@ -1,0 +1,19 @@
+"""kvz inside SGLang HiCache: a ``HiCacheStorage`` backend (directory or Redis, via the kvz chunk
+store's backends) for the four MHA host-pool page layouts, loaded as SGLang's ``dynamic`` backend
+(``module_path: kvz.integrations.sglang``, ``class_name: KvzHiCacheStorage``). See
+``integrations/sglang/README.md``. Names are imported lazily (``import kvz.integrations.sglang``
+does not import SGLang)."""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"KvzHiCacheStorage": ".backend", "KvzHiCacheWarning": ".backend", "page_to_pairs": ".backend",
+            "pairs_to_page": ".backend", "LAYOUTS": ".backend"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(mod, __name__), name)
