@@ -102,7 +102,7 @@ def time_decoders(objs, decoders: dict, rounds: int) -> dict:
     return {k: {"ns_per_symbol_min": 1e9 * v[0] / n, "ns_per_symbol_median": 1e9 * v[1] / n} for k, v in acc.items()}
 
 
-def lanes_decoders(objs):
+def lanes_decoders(objs, with_precisions: bool = False):
     """The lanes32 decoders of this process (payloads encoded once) and whether they decode ``objs``."""
     import numpy as np
 
@@ -114,6 +114,11 @@ def lanes_decoders(objs):
         return lambda q, ids, out: entropy.lanes_decode(bufs[id(q)], ids, q.shape, out=out, path=path)
 
     decs = {"lanes32 vectorised": dec("simd"), "lanes32 portable": dec("portable")}
+    if with_precisions:   # the same decoder on 10- and 11-bit tables (4 and 8 KiB per model)
+        for p in (10, 11):
+            pb = {id(q): entropy.lanes_encode(q, ids, prec=p) for q, ids in objs}
+            decs[f"lanes32 vectorised, {p}-bit tables"] = (
+                lambda q, ids, out, pb=pb, p=p: entropy.lanes_decode(pb[id(q)], ids, q.shape, out=out, prec=p))
     ok = all(np.array_equal(entropy.lanes_decode(bufs[id(q)], ids, q.shape, path=p), q)
              for q, ids in objs for p in ("simd", "portable"))
     return decs, ok
@@ -150,7 +155,7 @@ def markdown(res: dict) -> str:
     lines = ["# Entropy stage of format 1.2: `lanes32` against `rans4`", "",
              f"`{res['command']}` — {res['machine']['cpu']}, vectorised target `{res['isa']}`, load "
              f"{res['loadavg']}, {s['symbols']:,} real residual symbols ({res['objects']} objects of the sample caches, "
-             f"eps {EPS}).", "",
+             f"eps {EPS}; {res['timed_objects']} of them timed, {res['rounds']} calls each).", "",
              "## Decode, one thread (ns/symbol; min over rounds, median in brackets)", "",
              "| decoder | ns/symbol | vs rans4 |", "|---|---|---|"]
     base = res["timing"]["rans4"]["ns_per_symbol_min"]
@@ -177,7 +182,9 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> None:
     ap = parser(__doc__, caches="caches (default: the samples)", quick="two caches' worth of objects, fewer rounds",
                 json="JSON output", json_default=os.path.join(RESULTS, "entropy_lanes.json"))
-    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=20, help="timed calls per object and decoder (default 20)")
+    ap.add_argument("--objects", type=int, default=0,
+                    help="time only this many objects, evenly spaced (sizes always use all; default all)")
     ap.add_argument("--worker", help=argparse_hidden())
     args = ap.parse_args(argv)
     if args.worker:
@@ -190,7 +197,10 @@ def main(argv=None) -> None:
     caches = args.caches or sample_caches()
     objs = real_objects(caches[:2] if args.quick else caches)
     rounds = 6 if args.quick else args.rounds
-    decs, ok = lanes_decoders(objs)
+    all_objs = objs
+    if 0 < args.objects < len(objs):
+        objs = [objs[round(k * (len(objs) - 1) / max(1, args.objects - 1))] for k in range(args.objects)]
+    decs, ok = lanes_decoders(objs, with_precisions=True)
 
     r4 = {id(q): entropy.encode(q, ids) for q, ids in objs}
 
@@ -216,12 +226,12 @@ def main(argv=None) -> None:
             targets[tname] = json.loads(child.stdout.strip().splitlines()[-1])
             print(tname, json.dumps(targets[tname]))
     res = {"command": command_line("entropy_lanes", argv), "revision": code_revision(), "machine": machine_info(),
-           "loadavg": loadavg(), "isa": entropy.lanes_isa(), "objects": len(objs), "rounds": rounds,
+           "loadavg": loadavg(), "isa": entropy.lanes_isa(), "objects": len(all_objs), "rounds": rounds,
            "lanes_prec": entropy.LANES_PREC, "timing": timing,
            "targets": {k: v for k, v in targets.items() if "error" not in v},
            "target_errors": {k: v["error"] for k, v in targets.items() if "error" in v},
            "same_symbols": bool(ok and all(v.get("same_symbols") for v in targets.values())),
-           "sizes": sizes(objs), "published_ns_per_symbol": PUBLISHED}
+           "timed_objects": len(objs), "sizes": sizes(all_objs), "published_ns_per_symbol": PUBLISHED}
     write_json(res, args.json)
     write_text(os.path.splitext(args.json)[0] + ".md", markdown(res))
     print(markdown(res))
