@@ -20,7 +20,7 @@ import click
 
 _HINT = "install the model extra: pip install -e '.[model]'"
 
-__all__ = ["model_options", "calibrate_model", "calibrate_model_command"]
+__all__ = ["model_options", "calibrate_model", "calibrate_model_command", "load_for_cli"]
 
 _OPTIONS = [
     click.option("--model", "model_path", default=None, type=click.Path(exists=False),
@@ -76,14 +76,17 @@ class _Bars:
             self.bar = None
 
 
-def _load(model_path: str, quiet: bool):
+def load_for_cli(model_path: str, quiet: bool, command: str = "calibrate --model", needs: str = "the texts"):
+    """``(path, model, tokenizer)`` for a command that takes ``--model`` (a directory or a .gguf): a missing
+    extra, a bad path or a model without tokenizer is one :class:`click.ClickException` line; "loading ..."
+    goes to stderr unless ``quiet``. (``kvz capture --model`` can use it too.)"""
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
         if str(model_path).lower().endswith(".gguf"):
             import gguf  # noqa: F401
     except ImportError as e:
-        raise click.ClickException(f"calibrate --model needs {e.name or 'torch/transformers'}; {_HINT}") from None
+        raise click.ClickException(f"{command} needs {e.name or 'torch/transformers'}; {_HINT}") from None
     from kvz.integrations.hf.capture import load_model
 
     mp = Path(model_path).expanduser()
@@ -94,7 +97,7 @@ def _load(model_path: str, quiet: bool):
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if tokenizer is None:
-        raise click.ClickException(f"{mp}: the model has no tokenizer; calibrate --model needs one for the texts")
+        raise click.ClickException(f"{mp}: the model has no tokenizer; {command} needs one for {needs}")
     return mp, model, tokenizer
 
 
@@ -119,7 +122,7 @@ def calibrate_model(*, model_path: str, texts: str | None, out: str, tokens: int
         docs = read_texts(texts)
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    mp, model, tokenizer = _load(model_path, quiet)
+    mp, model, tokenizer = load_for_cli(model_path, quiet)
     mid = model_id or model_name(model, mp)
     bars = _Bars(quiet)
     try:
@@ -160,19 +163,13 @@ def calibrate_model(*, model_path: str, texts: str | None, out: str, tokens: int
 @click.command("calibrate")
 @model_options
 @click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Output bank (.h5).")
-@click.option("--rank", type=int, default=0, show_default=True, help="Rank of the prediction maps (0 = full).")
-@click.option("--depth", type=int, default=1, show_default=True, help="Layers back the maps look.")
-@click.option("--group-size", type=int, default=3, show_default=True, help="Neighbouring layers per GPA group.")
-@click.option("--no-rotations", is_flag=True, help="Skip GPA rotations.")
-@click.option("--eps-cal", type=float, default=0.03, show_default=True,
-              help="Relative noise the maps are made robust to.")
 @click.option("-f", "--force", is_flag=True, help="Replace OUT (and a registered bank of that NAME) if it exists.")
 @click.option("--json", "as_json", is_flag=True)
-def calibrate_model_command(model_path, texts, tokens, register_name, sensitivity, model_id, quiet, out, rank,
-                            depth, group_size, no_rotations, eps_cal, force, as_json):
-    """Fit a calibration bank for a model from texts: capture, fit, sensitivity, register."""
+def calibrate_model_command(model_path, texts, tokens, register_name, sensitivity, model_id, quiet, out, force,
+                            as_json):
+    """Fit a calibration bank for a model from texts: capture, fit, sensitivity, register (default fit
+    options; ``kvz calibrate --model`` also takes ``kvz calibrate``'s --rank, --depth, ...)."""
     if not model_path:
         raise click.UsageError("give --model M (a model directory or a .gguf file)")
     calibrate_model(model_path=model_path, texts=texts, out=out, tokens=tokens, register_name=register_name,
-                    sensitivity=sensitivity, model_id=model_id, quiet=quiet, force=force, rank=rank, depth=depth,
-                    group_size=group_size, no_rotations=no_rotations, eps_cal=eps_cal, as_json=as_json)
+                    sensitivity=sensitivity, model_id=model_id, quiet=quiet, force=force, as_json=as_json)

@@ -173,3 +173,25 @@ def test_cli_calibrate_smollm2_then_held_out_meets_eps(tmp_path, bank_dir):
     assert info.bpv < 8
     kl = compress(cache, tmp_path / "k.kvz", target_kl=1e-3, bank="smol")
     assert kl.scope == "weighted" and kl.kl_predicted <= 1e-3 * (1 + 1e-6)
+
+
+def test_cli_bad_input_is_one_line_before_any_model_load(tmp_path):
+    from click.testing import CliRunner
+
+    from kvz.cli.calibrate_cmd import calibrate_model_command
+
+    run = CliRunner().invoke
+    out = tmp_path / "b.h5"
+    r = run(calibrate_model_command, ["--model", str(tmp_path / "m.gguf"), "-o", str(out)])
+    assert r.exit_code == 2 and "--texts" in r.output
+    r = run(calibrate_model_command, ["--model", str(tmp_path / "m.gguf"), "--texts", str(tmp_path / "none"),
+                                      "-o", str(out)])
+    assert r.exit_code == 1 and "no such file or directory" in r.output and "Traceback" not in r.output
+    out.write_bytes(b"x")
+    r = run(calibrate_model_command, ["--model", "m.gguf", "--texts", str(TEXTS), "-o", str(out)])
+    assert r.exit_code == 1 and "exists" in r.output
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text("hello world " * 20, encoding="utf-8")
+    r = run(calibrate_model_command, ["--model", str(tmp_path / "missing.gguf"), "--texts", str(tmp_path / "t"),
+                                      "-o", str(tmp_path / "c.h5"), "-q"])
+    assert r.exit_code == 1 and "missing.gguf" in r.output and "Traceback" not in r.output
