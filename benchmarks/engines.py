@@ -81,13 +81,20 @@ def _obj(alloc, shape, dtype):
     return alloc.allocate([torch.Size(shape)], [dtype])
 
 
-def _timed(fn, reps: int):
-    ts = []
+CPU_TIMES: dict = {}
+
+
+def _timed(fn, reps: int, tag=None):
+    """(result, median wall seconds); the median CPU seconds of the process go to CPU_TIMES[tag]."""
+    ts, cs = [], []
     r = None
     for _ in range(reps):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         r = fn()
         ts.append(time.perf_counter() - t0)
+        cs.append(time.process_time() - c0)
+    if tag is not None:
+        CPU_TIMES[tag] = statistics.median(cs)
     return r, statistics.median(ts)
 
 
@@ -101,9 +108,9 @@ def run_serde(ser, de, x, alloc, reps=1):
     src.tensor.copy_(x)
     cap = ser.estimate_serialized_size(MemoryLayoutDesc(shapes=[x.shape], dtypes=[x.dtype]))
     dst = _obj(alloc, (cap,), torch.uint8)
-    n, enc = _timed(lambda: ser.serialize(src, dst, key), reps)
+    n, enc = _timed(lambda: ser.serialize(src, dst, key), reps, "enc")
     back = _obj(alloc, x.shape, x.dtype)
-    _, dec = _timed(lambda: de.deserialize(dst, back, key), reps)
+    _, dec = _timed(lambda: de.deserialize(dst, back, key), reps, "dec")
     return int(n), back.tensor.clone(), enc, dec
 
 
@@ -138,7 +145,11 @@ def lmcache_rows(reps: int, quick: bool):
 
         def row(method, nbytes, worst, enc, dec, roundtrip, **kw):
             r = dict(base, method=method, bytes=nbytes, bpv=8.0 * nbytes / nval, worst_nrmse=worst,
-                     encode_s=enc, decode_s=dec, roundtrip=roundtrip)
+                     encode_s=enc, decode_s=dec, roundtrip=roundtrip,
+                     encode_cpu_s=CPU_TIMES.get("enc") if enc else None,
+                     decode_cpu_s=CPU_TIMES.get("dec") if dec else None)
+            r["breakeven_load_gbps_cpu"] = ((raw - nbytes) * 8 / r["decode_cpu_s"] / 1e9) \
+                if r["decode_cpu_s"] and nbytes < raw else None
             r["breakeven_load_gbps"] = ((raw - nbytes) * 8 / dec / 1e9) if dec and nbytes < raw else None
             r["breakeven_store_gbps"] = ((raw - nbytes) * 8 / enc / 1e9) if enc and nbytes < raw else None
             r.update(kw)
@@ -215,12 +226,8 @@ def _kvz_target_kl(x, meta, target_kl, start):
     pairs = kv_pairs(x, 1)
     tensors = KvzChunkCodec(bank=BANK, cache_metadata=meta).tensors(pairs)
     cache = Cache.from_arrays(tensors, dict(meta, position_offset=start))
-    t0 = time.perf_counter()
-    info = compress(cache, None, bank=BANK, target_kl=target_kl, threads=1)
-    enc = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    back = KvzReader(info.data, threads=1).read()
-    dec = time.perf_counter() - t0
+    info, enc = _timed(lambda: compress(cache, None, bank=BANK, target_kl=target_kl, threads=1), 1, "enc")
+    back, dec = _timed(lambda: KvzReader(info.data, threads=1).read(), 3, "dec")
     L = len(pairs)
     y = torch.zeros_like(x)
     from kvz.integrations.lmcache._common import write_pairs
@@ -297,12 +304,14 @@ def markdown(rows) -> str:
            "--md benchmarks/results/engines.md` (LMCache venv) and `... --engines sglang --append` (SGLang venv); "
            "one thread, real Gemma 3 270M chunks (256 tokens x 18 layers x 1 KV head x 256, bf16) of the three "
            "bundled samples at positions 0 and 192. Break-even: the link speed below which loading "
-           "(`(raw - bytes) * 8 / decode_s`) or storing (`... / encode_s`) the method beats raw bf16.", ""]
+           "(`(raw - bytes) * 8 / decode_s`) or storing (`... / encode_s`) the method beats raw bf16; wall times "
+           "depend on the machine's load (CPU times of the process in parentheses, and the load average in the "
+           "JSON).", ""]
     lm = [r for r in rows if r["engine"] == "lmcache"]
     if lm:
         out += ["## LMCache L2 serde (means over chunks)", "",
-                "| method | bpv | worst tensor NRMSE (max) | predicted KL | encode ms | decode ms | "
-                "pays below (load) Gbit/s | pays below (store) Gbit/s | round trip |",
+                "| method | bpv | worst tensor NRMSE (max) | predicted KL | encode ms (CPU ms) | decode ms (CPU ms) | "
+                "pays below (load, wall / CPU) Gbit/s | pays below (store) Gbit/s | round trip |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for m in dict.fromkeys(r["method"] for r in lm):
             rs = [r for r in lm if r["method"] == m]
@@ -316,8 +325,11 @@ def markdown(rows) -> str:
 
             worst = [r["worst_nrmse"] for r in rs if r.get("worst_nrmse") is not None]
             out.append(f"| {m} | {mean('bpv'):.3f} | {f(max(worst) if worst else None, '.4f')} | "
-                       f"{f(mean('predicted_kl'), '.2e')} | {f(mean('encode_s') and mean('encode_s') * 1e3, '.1f')} | "
-                       f"{f(mean('decode_s') and mean('decode_s') * 1e3, '.1f')} | {f(mean('breakeven_load_gbps'), '.2f')} | "
+                       f"{f(mean('predicted_kl'), '.2e')} | {f(mean('encode_s') and mean('encode_s') * 1e3, '.0f')} "
+                       f"({f(mean('encode_cpu_s') and mean('encode_cpu_s') * 1e3, '.0f')}) | "
+                       f"{f(mean('decode_s') and mean('decode_s') * 1e3, '.0f')} "
+                       f"({f(mean('decode_cpu_s') and mean('decode_cpu_s') * 1e3, '.0f')}) | "
+                       f"{f(mean('breakeven_load_gbps'), '.2f')} / {f(mean('breakeven_load_gbps_cpu'), '.2f')} | "
                        f"{f(mean('breakeven_store_gbps'), '.2f')} | {all(r['roundtrip'] for r in rs)} |")
         me = [r for r in lm if r["method"] == "kvz-matched-error"]
         if me:
@@ -383,7 +395,8 @@ def main(argv=None) -> int:
                 keep = [r for r in json.load(f)["rows"] if r["engine"] not in engines]
         rows = keep + rows
         with open(a.json_out, "w") as f:
-            json.dump({"command": "python -m kvz.benchmarks.engines " + " ".join(argv or sys.argv[1:]), "rows": rows},
+            json.dump({"command": "python -m kvz.benchmarks.engines " + " ".join(argv or sys.argv[1:]),
+                       "load_average": os.getloadavg(), "cpus": os.cpu_count(), "rows": rows},
                       f, indent=1)
     md = markdown(rows)
     if a.md_out:
