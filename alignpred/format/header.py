@@ -47,12 +47,20 @@ def unb64(s, n: int, what: str) -> np.ndarray:
 TIERS = ("coarse", "exact")
 
 
-def minor_for(layout, config, scope: str = "tensor", tiers=("coarse",)) -> int:
-    """The oldest minor version that can express a file: 1.1 for exact arithmetic, an absolute
-    sink, an exact RoPE spec, a tensor cap or a refinement tier; 1.0 otherwise (kvz 0.1)."""
+def minor_for(layout, config, scope: str = "tensor", tiers=("coarse",), coder: str = "rans4") -> int:
+    """The oldest minor version that can express a file: 1.2 for the ``lanes32`` entropy coder;
+    1.1 for exact arithmetic, an absolute sink, an exact RoPE spec, a tensor cap or a refinement
+    tier; 1.0 otherwise (kvz 0.1)."""
+    if coder == "lanes32":
+        return 2
     new = (config.arith != "float" or config.sink_origin != "file" or layout.rope is not None
            or list(tiers) != ["coarse"] or scope == "weighted")  # tensor_cap alone is informative
     return 1 if new else 0
+
+
+def coder_prec(coder: str) -> int:
+    """The probability precision a coder's models use (recorded in the header, checked on read)."""
+    return entropy.LANES_PREC if coder == "lanes32" else entropy.PREC
 
 
 def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas, source_metadata,
@@ -60,7 +68,7 @@ def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas
     """The header dict of a file (the writer adds nothing else); ``budget`` is resolved (eps known)."""
     scope, tensor_cap, target_kl = budget.scope, budget.cap, budget.target_kl
     codec = {"name": "alignpred", "config": config.to_json(), "eps": budget.eps, "eps_scope": scope,
-             "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": entropy.PREC}}
+             "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": coder_prec(coder)}}
     if tensor_cap:
         codec["tensor_cap"] = tensor_cap
     if weights is not None:
@@ -75,7 +83,7 @@ def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas
         return t
 
     return {
-        "format": "kvz", "version": [MAJOR, minor_for(layout, config, scope, tiers)],
+        "format": "kvz", "version": [MAJOR, minor_for(layout, config, scope, tiers, coder)],
         "flags": FLAG_REFINE if "exact" in tiers else 0,
         "created_by": f"kvz {__version__}", "layout": layout.to_json(), "codec": codec, "bank": bank_info,
         "tensors": [tensor(m) for m in metas],

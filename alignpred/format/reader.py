@@ -34,7 +34,7 @@ from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
 from alignpred.errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError
 from alignpred.format.container import ENTRY_SIZE, FLAG_REFINE, crc32, parse_container
-from alignpred.format.header import check_header, tensor_metas
+from alignpred.format.header import check_header, coder_prec, minor_for, tensor_metas
 from alignpred.format.index import check_index
 from alignpred.format.session import DEFAULT_SESSION, DecoderSession
 from alignpred.io import map_file, release_pages
@@ -123,11 +123,9 @@ class KvzReader:
         if codec.get("name") != "alignpred":
             raise FormatError(f"unknown codec {codec.get('name')!r}")
         if (ent.get("coder") not in entropy.CODERS or ent.get("model_set") != entropy.MODEL_SET_ID
-                or ent.get("prec") != entropy.PREC):
+                or ent.get("prec") != coder_prec(ent.get("coder"))):
             raise FormatError(f"unsupported entropy coder {ent!r}")
-        from alignpred.format.header import minor_for
-
-        if self.version[1] < minor_for(self.layout, self.config, self.scope, self.tiers):
+        if self.version[1] < minor_for(self.layout, self.config, self.scope, self.tiers, ent["coder"]):
             raise FormatError(f"the header uses features of a newer minor version than the file's {self.version}")
         lay = self.layout
         S = self.config.object_size

@@ -278,7 +278,8 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
             tiers.append("exact")
 
         def chunks():
-            yield pack_preamble(FLAG_REFINE if lossless else 0, minor=minor_for(lay, config, budget.scope, tiers))
+            minor = minor_for(lay, config, budget.scope, tiers, coder)
+            yield pack_preamble(FLAG_REFINE if lossless else 0, minor=minor)
             off = PREAMBLE_SIZE
             for table, objs in ((where, obs),) + (((rwhere, robs),) if lossless else ()):
                 for k, ob in enumerate(objs):

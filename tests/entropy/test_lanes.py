@@ -375,3 +375,34 @@ def test_avx512_target_compiles_to_masked_gathers(tmp_path):
     assert child.returncode == 0, child.stderr[-2000:]
     isa, n_gathers = child.stdout.split()[-2:]
     assert isa == "avx512" and int(n_gathers) >= 8
+
+
+def test_a_lanes32_file_is_format_1_2_and_decodes_like_rans4():
+    """The coder's wiring in the container (issue 19): a lanes32 file says 1.2 and prec 12, decodes
+    to the same bits as the rans4 file of the same cache; a lanes32 header that claims 1.1 is refused."""
+    import json
+    import struct
+
+    from conftest import synthetic_cache
+
+    from alignpred import FormatError, KvzReader, compress_bytes, fit_bank
+
+    c = synthetic_cache(n_layers=2, T=300, d=32)
+    bank = fit_bank([c], rank=None)
+    a = KvzReader(compress_bytes(c, eps=0.03, bank=bank), bank=bank)
+    raw = compress_bytes(c, eps=0.03, bank=bank, coder="lanes32")
+    b = KvzReader(raw, bank=bank)
+    assert a.version == (1, 1) and b.version == (1, 2)
+    assert b.header["codec"]["entropy"] == {"coder": "lanes32", "model_set": "kvz-models-v1", "prec": 12}
+    da, db = a.read(), b.read()
+    assert all(np.array_equal(da[k].view(np.uint8), db[k].view(np.uint8)) for k in da)
+    # the same file relabelled 1.1 (preamble minor and header version) is refused
+    from alignpred.format import parse_container
+    p = parse_container(raw)
+    assert p.version == (1, 2)
+    bad = bytearray(raw)
+    struct.pack_into("<H", bad, 10, 1)
+    hdr = json.loads(bytes(raw[p.footer.header_offset:p.footer.header_offset + p.footer.header_length]))
+    assert hdr["version"] == [1, 2]
+    with pytest.raises(FormatError):
+        KvzReader(bytes(bad), bank=bank)
