@@ -115,7 +115,7 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
 
     BANK is a bank file, a registered bank's name (see `kvz bank list`; e.g. gemma-3-270m) or
     its content id."""
-    _skip_numba_blas_probe()
+    skip_numba_blas_probe()
     from alignpred import CodecConfig, ErrorBudget, compress, fit_bank, load_cache
     from alignpred.bank import fitting, resolve_bank
     from alignpred.codec import DEFAULT_EPS
@@ -189,7 +189,7 @@ def decompress(srcs, out, bank, tokens, layers, tier, threads, force, as_json, q
     decoded. Streams in bounded memory: 2,048 positions of every layer at a time (decoded on all
     threads), each slice written at its place in a temporary file renamed over the output at the
     end."""
-    _skip_numba_blas_probe()
+    skip_numba_blas_probe()
     from alignpred import KvzReader
 
     outs = _decompress_outputs(srcs, out)
@@ -267,7 +267,7 @@ def _decompress_outputs(srcs, out) -> list[str]:
 @_errors
 def calibrate(caches, out, rank, depth, group_size, no_rotations, eps_cal, force, as_json):
     """Fit a calibration bank (GPA rotations and prediction maps) on caches of one model."""
-    _skip_numba_blas_probe()
+    skip_numba_blas_probe()
     from alignpred import fit_bank, load_cache
 
     _check_output(out, force, caches)
@@ -359,7 +359,7 @@ def bank_add(path, name, force, as_json):
 def verify(srcs, bank, no_decode, threads, as_json, quiet):
     """Check .kvz files: every checksum (preamble, header, index, payloads, embedded bank), then
     decode every tier of every object. Exits non-zero on the first fault, naming it."""
-    _skip_numba_blas_probe()
+    skip_numba_blas_probe()
     from alignpred import KvzReader
 
     rows = []
@@ -418,7 +418,7 @@ def _register_optional():
 _register_optional()
 
 
-def _skip_numba_blas_probe() -> None:
+def skip_numba_blas_probe() -> None:
     """Start-up time of the CLI process.
 
     numba's first compile or cache load in a process imports ``numba.np.arraymath``, whose BLAS

@@ -9,26 +9,12 @@ import sys
 import time
 
 
-def _as_the_cli_starts() -> None:
-    """What ``kvz`` does before its first kernel load: numba's BLAS probe imported with ``scipy.linalg``
-    hidden (kvz's kernels never use what it picks; the CLI's own helper for this is not public)."""
-    if {"numba.np.arraymath", "scipy.linalg"} & set(sys.modules):
-        return
-    sys.modules["scipy.linalg"] = None  # type: ignore[assignment]
-    try:
-        import numba.np.arraymath  # noqa: F401
-    except Exception:
-        pass
-    if sys.modules.get("scipy.linalg", 0) is None:
-        del sys.modules["scipy.linalg"]
-
-
 def phases(src: str, dst: str) -> dict:
     t0 = time.perf_counter()
-    import kvz.cli.main  # noqa: F401  (what `kvz` imports)
     from alignpred import KvzReader
+    from kvz.cli.main import skip_numba_blas_probe  # what `kvz` imports
     t1 = time.perf_counter()
-    _as_the_cli_starts()
+    skip_numba_blas_probe()  # what kvz does before its first kernel load
     import numpy as np
 
     from alignpred.kernels import quantize_rows

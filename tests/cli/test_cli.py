@@ -78,8 +78,8 @@ def test_cli_start_skips_numba_blas_probe():
     (0.4 s), and afterwards scipy.linalg and numba's own BLAS-backed np.dot still work."""
     code = (
         "import sys, numpy as np\n"
-        "from kvz.cli.main import _skip_numba_blas_probe\n"
-        "_skip_numba_blas_probe()\n"
+        "from kvz.cli.main import skip_numba_blas_probe\n"
+        "skip_numba_blas_probe()\n"
         "from alignpred.kernels.intmap import quantize_rows\n"
         "quantize_rows(np.ones((1, 2), np.float32))\n"
         "assert 'numba.np.arraymath' in sys.modules and 'scipy.linalg' not in sys.modules\n"
