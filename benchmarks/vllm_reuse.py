@@ -33,6 +33,7 @@ QUESTION = 48
 SIZES = (1024, 2048, 4096, 8192)
 STORES = ("recompute", "kvz", "example", "kvz-lossless")
 LOGPROBS = 20
+RESUME = False
 SYSTEM = ("You are a careful assistant. Answer questions about the documents below; quote them where you can, "
           "say when they do not contain the answer, and keep answers short.")
 
@@ -85,11 +86,15 @@ def _store_cfg(store: str, root: Path):
     return {"store": str(root / store), "lossless": store == "kvz-lossless", "eps": 0.02, "threads": 1}
 
 
-def _engine(spec: dict, root: Path, name: str, timeout: int = 3600) -> dict:
+def _engine(spec: dict, root: Path, name: str, timeout: int = 3600, core: int | None = None) -> dict:
     sp = root / f"{name}.spec.json"
     out = root / f"{name}.out.json"
+    if RESUME and out.exists() and sp.exists() and json.loads(sp.read_text()) == spec:
+        return json.loads(out.read_text())  # --resume: this engine already ran with this spec
     sp.write_text(json.dumps(spec))
     env = dict(os.environ)
+    if core is not None:  # one thread per engine (the same thread count for every store), spread over the cores
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     with open(root / f"{name}.log", "w") as log:
@@ -130,21 +135,44 @@ def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None 
     warm = [[2] + list(range(3000, 3000 + 300))]  # a first request in every engine: not measured
     base = {"model": model_dir, "max_tokens": max_tokens, "max_model_len": mml, "block_size": BS,
             "logprobs": LOGPROBS, "warmup_prompts": warm}
-    ref = None
     rows = []
     L, H, d = 18, 1, 256
+    # phase 1 in parallel: recompute and every writer; phase 2: every reader (read-only, with a 1-token
+    # TTFT probe: wall and CPU seconds). CPU seconds are what a contended machine cannot distort.
+    from concurrent.futures import ThreadPoolExecutor
+
+    readers = [prompts[n][1] for n in sizes]
+    cores = sorted(os.sched_getaffinity(0))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(stores)) as ex:
+        futs = {}
+        for store in stores:
+            cfg = _store_cfg(store, root)
+            if store == "recompute":
+                futs[store] = ex.submit(_engine, {**base, "prompts": readers, "store": None, "ttft_probe": True},
+                                        root, "recompute", core=cores[len(futs) % len(cores)])
+            else:
+                futs[store] = ex.submit(_engine, {**base, "prompts": [prompts[n][0] for n in sizes], "store": cfg},
+                                        root, f"{store}-writer", core=cores[len(futs) % len(cores)])
+        first = {k: f.result() for k, f in futs.items()}
+    log(f"  phase 1 (recompute + writers): {time.perf_counter() - t0:.0f} s")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(stores)) as ex:
+        futs = {}
+        for store in stores:
+            if store == "recompute":
+                continue
+            cfg = _store_cfg(store, root)
+            if isinstance(cfg, dict) and cfg.get("kind") != "example":
+                cfg = {**cfg, "read_only": True}
+            futs[store] = ex.submit(_engine, {**base, "prompts": readers, "store": cfg, "ttft_probe": True},
+                                    root, f"{store}-reader", core=cores[len(futs) % len(cores)])
+        second = {k: f.result() for k, f in futs.items()}
+    log(f"  phase 2 (readers): {time.perf_counter() - t0:.0f} s")
+    ref = first.get("recompute")
     for store in stores:
-        cfg = _store_cfg(store, root)
-        t0 = time.perf_counter()
-        readers = [prompts[n][1] for n in sizes]
-        if store == "recompute":
-            w = None
-            r = _engine({**base, "prompts": readers, "store": None}, root, "recompute")
-            ref = r
-        else:
-            w = _engine({**base, "prompts": [prompts[n][0] for n in sizes], "store": cfg}, root, f"{store}-writer")
-            r = _engine({**base, "prompts": readers, "store": cfg}, root, f"{store}-reader")
-        log(f"  {store}: {time.perf_counter() - t0:.0f} s")
+        w = None if store == "recompute" else first[store]
+        r = first[store] if store == "recompute" else second[store]
         for i, n in enumerate(sizes):
             rr = r["results"][i]
             rec = ref["results"][i] if ref is not None else None
@@ -155,38 +183,43 @@ def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None 
             row = {"store": store, "prompt_tokens": n, "shared_tokens": prompts[n][2],
                    "cached_tokens": rr["cached_tokens"],
                    "identical": bool(rec is not None and rr["tokens"] == rec["tokens"]),
-                   "ttft_s": round(rr["ttft_s"], 4), "recompute_ttft_s": round(rec["ttft_s"], 4) if rec else None,
+                   "ttft_s": round(rr["ttft_probe_s"], 4), "recompute_ttft_s": round(rec["ttft_probe_s"], 4) if rec else None,
+                   "ttft_vllm_s": round(rr["ttft_s"], 4),
+                   "ttft_cpu_s": round(rr.get("ttft_cpu_s", 0.0), 4),
+                   "recompute_ttft_cpu_s": round(rec.get("ttft_cpu_s", 0.0), 4) if rec else None,
                    "stored_bytes": stored, "stored_tokens": stored_tokens,
                    "raw_bytes": stored_tokens * L * 2 * H * d * 2,
                    "kl_top20": _kl(rec["logprobs"], rr["logprobs"]) if rec else None}
-            dl = rr.get("delta", {})
+            dl = rr.get("probe_delta", {})
             if store.startswith("kvz"):
                 row.update(decode_s=round(dl.get("decode_s", 0.0), 4), copy_s=round(dl.get("copy_s", 0.0), 4),
-                           rest_s=round(rr["ttft_s"] - dl.get("decode_s", 0.0) - dl.get("copy_s", 0.0), 4),
+                           rest_s=round(rr["ttft_probe_s"] - dl.get("decode_s", 0.0) - dl.get("copy_s", 0.0), 4),
                            encode_s=round(wd.get("encode_s", 0.0), 3))
             rows.append(row)
-        if partial is not None:
-            partial(rows)
+    if partial is not None:
+        partial(rows)
     return rows
 
 
 def to_markdown(rows, note: str = "") -> str:
-    lines = ["| store | prompt | cached | identical | TTFT s | recompute s | ratio | stored bytes/token | × raw | × example | KL top-20 | decode / copy / rest s |",
-             "|---|---:|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| store | prompt | cached | identical | TTFT s | recompute s | ratio | CPU-s ratio | stored bytes/token | × raw | × example | KL top-20 | decode / copy / rest s |",
+             "|---|---:|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     ex = {r["prompt_tokens"]: r for r in rows if r["store"] == "example"}
     for r in rows:
         per = r["stored_bytes"] / r["stored_tokens"] if r["stored_tokens"] else 0
         e = ex.get(r["prompt_tokens"])
         xe = (f"{r['stored_bytes'] / e['stored_bytes']:.3f}" if e and e["stored_bytes"] and r["stored_bytes"] else "")
         ratio = f"{r['ttft_s'] / r['recompute_ttft_s']:.2f}" if r["recompute_ttft_s"] else ""
+        cr = (f"{r['ttft_cpu_s'] / r['recompute_ttft_cpu_s']:.2f} ({r['ttft_cpu_s']:.1f} s)"
+              if r.get("recompute_ttft_cpu_s") else "")
         split = f"{r['decode_s']:.2f} / {r['copy_s']:.3f} / {r['rest_s']:.2f}" if "decode_s" in r else ""
         kl = f"{r['kl_top20']:.2e}" if r.get("kl_top20") is not None else ""
         lines.append(f"| {r['store']} | {r['prompt_tokens']} | {r['cached_tokens']} | {'yes' if r['identical'] else 'no'} "
-                     f"| {r['ttft_s']:.2f} | {r['recompute_ttft_s'] or 0:.2f} | {ratio} | {per:.0f} "
+                     f"| {r['ttft_s']:.2f} | {r['recompute_ttft_s'] or 0:.2f} | {ratio} | {cr} | {per:.0f} "
                      f"| {r['stored_bytes'] / r['raw_bytes']:.3f} | {xe} | {kl} | {split} |"
                      if r["raw_bytes"] else
                      f"| {r['store']} | {r['prompt_tokens']} | {r['cached_tokens']} | {'yes' if r['identical'] else 'no'} "
-                     f"| {r['ttft_s']:.2f} | {r['recompute_ttft_s'] or 0:.2f} | {ratio} | | | | {kl} | |")
+                     f"| {r['ttft_s']:.2f} | {r['recompute_ttft_s'] or 0:.2f} | {ratio} | {cr} | | | | {kl} | |")
     return "\n".join(lines) + ("\n\n" + note if note else "") + "\n"
 
 
@@ -200,7 +233,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--md", dest="md_out")
     ap.add_argument("--workdir")
+    ap.add_argument("--resume", action="store_true", help="reuse the engines' outputs already in --workdir")
     a = ap.parse_args(argv)
+    global RESUME
+    RESUME = a.resume
     sizes = [1024] if a.quick else [int(x) for x in (a.sizes or ",".join(map(str, SIZES))).split(",")]
     stores = a.stores.split(",")
     if "recompute" not in stores:

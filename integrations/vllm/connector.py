@@ -18,9 +18,9 @@ refinement tier: the blocks decode to the engine's bits exactly), ``bank`` (a re
 path; default ``gemma-3-270m`` when the model is Gemma 3 270M, else none), ``model_id`` (part of
 every key; default the served model name), ``budget_bytes`` (store budget), ``namespace``
 (Redis), ``threads`` (kvz's worker threads), ``sync_save`` (encode in the step instead of a
-background thread), ``store_after_lossy`` (also store blocks computed on top of lossy loaded
-KV; default off: a prefix hit then stays within eps of what the model computes), ``debug_dir``
-(write the KV read back from the engine's blocks after each load/save, for tests).
+background thread), ``read_only`` (load, never store), ``store_after_lossy`` (also store blocks
+computed on top of lossy loaded KV; default off: a prefix hit then stays within eps of what the
+model computes), ``debug_dir`` (write the KV read back from the engine's blocks after each load/save, for tests).
 
 **Scheduler side.** ``get_num_new_matched_tokens`` hashes the prompt's full blocks (at most
 ``len-1`` tokens: one token is always computed) and walks the store's per-block pointers; the run
@@ -164,6 +164,7 @@ class KvzConnector(KVConnectorBase_V1):
         threads = get("threads", None)
         self.sync_save = bool(get("sync_save", False))
         self.store_after_lossy = bool(get("store_after_lossy", False))
+        self.read_only = bool(get("read_only", False))
         self.debug_dir = get("debug_dir", None)
         self.warmup = bool(get("warmup", True))
         self._warm: threading.Thread | None = None
@@ -255,6 +256,8 @@ class KvzConnector(KVConnectorBase_V1):
         if st is None or st.saved or end < st.prompt_len:
             return
         st.saved = True
+        if self.read_only:
+            return
         if st.lossy_load and st.hit_blocks and not self.store_after_lossy:
             return
         bs = self.block_size

@@ -87,6 +87,7 @@ def run(spec: dict) -> dict:
     startup = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 8)),
                         logprobs=int(spec.get("logprobs", 0)) or None, ignore_eos=True)
+    sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     results = []
     caught = []
     with warnings.catch_warnings(record=True) as w:
@@ -102,6 +103,16 @@ def run(spec: dict) -> dict:
             if conn is not None and hasattr(conn, "flush"):
                 conn.flush()
             before = _snapshot(conn, ex_path if ktc and ktc["kv_connector"] == "ExampleConnector" else None)
+            probe = {}
+            if spec.get("ttft_probe"):  # a 1-token request first: wall and CPU seconds to the first token
+                c1, t1 = time.process_time(), time.perf_counter()
+                o1 = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], sp1, use_tqdm=False)[0]
+                probe = {"ttft_probe_s": time.perf_counter() - t1, "ttft_cpu_s": time.process_time() - c1,
+                         "probe_cached_tokens": int(o1.num_cached_tokens or 0)}
+                if conn is not None and hasattr(conn, "flush"):
+                    conn.flush()
+                mid = _snapshot(conn, ex_path if ktc and ktc["kv_connector"] == "ExampleConnector" else None)
+                probe["probe_delta"] = {k: mid[k] - before[k] for k in mid if isinstance(mid[k], (int, float))}
             t1 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], sp, use_tqdm=False)[0]
             wall = time.perf_counter() - t1
@@ -117,7 +128,7 @@ def run(spec: dict) -> dict:
             delta = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
             delta["runs"] = after["runs"][len(before["runs"]):]
             results.append({"tokens": list(c.token_ids), "cached_tokens": int(out.num_cached_tokens or 0),
-                            "ttft_s": ttft, "wall_s": wall, "logprobs": lps, "delta": delta})
+                            "ttft_s": ttft, "wall_s": wall, "logprobs": lps, "delta": delta, **probe})
         conn = _connector()
         if conn is not None and hasattr(conn, "flush"):
             conn.flush()
