@@ -36,6 +36,19 @@ MODEL_DIR="${KVZ_VLLM_MODEL_DIR:-$HOME/.cache/kvz/gemma3-hf}"
 export KVZ_VLLM_MODEL_DIR="$MODEL_DIR"
 export KVZ_REQUIRE_REDIS=1
 
+# Compile kvz's numba kernels once (they are cached on disk), so the five engine processes of the
+# tests do not each compile them (minutes on a small machine).
+(cd /tmp && "$PY" - <<'PYEOF'
+import torch
+from alignpred import Cache, KvzReader, compress
+kv = [tuple(torch.randn(1, 128, 256).to(torch.bfloat16) for _ in range(2)) for _ in range(18)]
+meta = {"keys_roped": True, "rope_theta": [1e6 if i % 6 == 5 else 1e4 for i in range(18)],
+        "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)]}
+for lossless in (False, True):
+    KvzReader(compress(Cache.from_arrays(kv, meta), None, eps=0.02, bank="gemma-3-270m", lossless=lossless).data).read()
+PYEOF
+)
+
 # Only the connector's tests (the rest of the suite runs in the main venv); no doctest collection
 # of vLLM-importing modules outside them.
 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/vllm
