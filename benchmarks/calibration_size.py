@@ -18,7 +18,7 @@ against the measured file sizes, and given for common model shapes.
 
 Run::
 
-    python -m kvz.benchmarks.calibration_size            # writes benchmarks/results/calibration_size.{json,md}
+    python -m kvz.benchmarks.calibration_size --held-tokens 512   # writes benchmarks/results/calibration_size.{json,md}
     python -m kvz.benchmarks.calibration_size --quick --json /tmp/cs.json --report /tmp/cs.md
 """
 from __future__ import annotations
@@ -86,7 +86,9 @@ def _compress(cache, bank, folder: str, name: str, **kw) -> dict:
 
 
 def run(*, model_path=None, sizes=SIZES, held_tokens: int = 1024, eps: float = EPS, progress: bool = True,
-        command: str = "") -> dict:
+        command: str = "", sensitivity_at: int = 1, partial=None) -> dict:
+    """The measurements; ``sensitivity_at``: index in ``sizes`` of the bank that also gets its sensitivity
+    record and the ``target_kl`` check; ``partial(result)`` is called after every row (results so far)."""
     from alignpred import fit_bank, load_cache
     from kvz.integrations.hf.calibrate import calibrate_model, model_name, read_texts
     from kvz.integrations.hf.capture import capture_model, load_model, tokenize
@@ -117,7 +119,7 @@ def run(*, model_path=None, sizes=SIZES, held_tokens: int = 1024, eps: float = E
         for i, (k, n) in enumerate(plan):
             if k > len(texts):
                 raise SystemExit(f"{k} texts asked for, {len(texts)} in {CALIB_TEXTS}")
-            last = i == len(plan) - 1
+            last = i == min(sensitivity_at, len(plan) - 1)
             res = calibrate_model(model, tok, texts[:k], model_id=mid, tokens=n, sensitivity=last, eps=eps)
             bpath = os.path.join(d, f"bank-{k}x{n}.h5")
             res.bank.save(bpath)
@@ -133,24 +135,32 @@ def run(*, model_path=None, sizes=SIZES, held_tokens: int = 1024, eps: float = E
                 row["sensitivity"] = {kk: res.sensitivity[kk] for kk in ("kl_per_nrmse2", "n_prompts", "context",
                                                                         "score_tokens", "check", "seconds")}
             rows.append(row)
+            if partial:
+                partial(_result(locals(), rows, None))
             log(f"{k} x {n}: {row['bpv']:.3f} bpv, worst tensor {row['nrmse_max_tensor']:.4f}, "
                 f"bank {row['bank_bytes']} bytes")
         bank = fit_bank([cache], rank=16, rotations=False)
         selfc = _compress(cache, bank, d, "self", eps=eps, scope="tensor", embed_bank=True)
         log(f"self-calibrated: {selfc['bpv']:.3f} bpv")
+    return _result(locals(), rows, selfc)
+
+
+def _result(v: dict, rows: list, selfc) -> dict:
+    """The result dict from ``run``'s state (also for partial results)."""
     bundled = os.path.join(ROOT, "alignpred", "bank", "data", "gemma-3-270m.h5")
     shapes = [{"model": name, "layers": L, "kv_heads": H, "head_dim": hd, "bank_bytes": bank_bytes(L, H, hd),
                "bank_bytes_no_rotations": bank_bytes(L, H, hd, rotations=False),
                "kv_bf16_bytes_per_token": 2 * L * H * hd * 2} for name, L, H, hd in SHAPES]
-    checks = [{"model": mid, "estimate": bank_bytes(*shape), "measured": rows[-1]["bank_bytes"]}]
+    checks = [{"model": v["mid"], "estimate": bank_bytes(*v["shape"]), "measured": rows[-1]["bank_bytes"]}]
     if os.path.exists(bundled):
         checks.append({"model": "gemma-3-270m (bundled)", "estimate": bank_bytes(18, 1, 256),
                        "measured": os.path.getsize(bundled)})
-    return {"model": mid, "model_file": mp.name, "shape": dict(zip(("layers", "kv_heads", "head_dim"), shape)),
-            "eps": eps, "held_out": {"text": Path(HELD_OUT).name, "tokens": held["tokens"]},
-            "calibration_texts": {n: avail[n] for n, _ in texts}, "rows": rows, "self_calibrated": selfc,
-            "bank_size_check": checks, "bank_size_by_shape": shapes, "load_seconds": round(load_s, 1),
-            "command": command, "machine": machine_info()}
+    return {"model": v["mid"], "model_file": v["mp"].name,
+            "shape": dict(zip(("layers", "kv_heads", "head_dim"), v["shape"])), "eps": v["eps"],
+            "held_out": {"text": Path(HELD_OUT).name, "tokens": v["held"]["tokens"]},
+            "calibration_texts": {n: v["avail"][n] for n, _ in v["texts"]}, "rows": rows, "self_calibrated": selfc,
+            "bank_size_check": checks, "bank_size_by_shape": shapes, "load_seconds": round(v["load_s"], 1),
+            "command": v["command"], "machine": machine_info(), "complete": selfc is not None}
 
 
 def report(res: dict) -> str:
@@ -167,9 +177,12 @@ def report(res: dict) -> str:
         lines.append(f"| {r['texts']} x {r['tokens_per_text']} | {r['tokens']:,} | {r['bpv']:.3f} | "
                      f"{r['nrmse_max_tensor']:.5f} | {ok} | {r['bank_bytes']:,} |")
     s = res["self_calibrated"]
-    lines.append(f"| self-calibrated (embedded, rank 16) | {res['held_out']['tokens']} | {s['bpv']:.3f} | "
-                 f"{s['nrmse_max_tensor']:.5f} | {'yes' if not s['tensors_over_eps'] else 'no'} | in the file |")
-    last = res["rows"][-1]
+    if s is None:
+        lines.append("| self-calibrated (embedded, rank 16) | not measured (partial run) | | | | |")
+    else:
+        lines.append(f"| self-calibrated (embedded, rank 16) | {res['held_out']['tokens']} | {s['bpv']:.3f} | "
+                     f"{s['nrmse_max_tensor']:.5f} | {'yes' if not s['tensors_over_eps'] else 'no'} | in the file |")
+    last = next((r for r in res["rows"] if r.get("target_kl")), res["rows"][-1])
     tk = last.get("target_kl")
     if tk:
         sens = last["sensitivity"]
@@ -193,7 +206,13 @@ def report(res: dict) -> str:
         lines.append(f"| {r['model']} | {r['layers']} | {r['kv_heads']} | {r['head_dim']} | "
                      f"{r['bank_bytes'] / 1e6:.1f} MB | {r['bank_bytes_no_rotations'] / 1e6:.1f} MB | "
                      f"{r['kv_bf16_bytes_per_token'] / 1e3:.1f} kB |")
-    lines += ["", f"Command: `{res['command']}` (model load {res['load_seconds']:.0f} s)."]
+    fit = [f"{r['texts']} x {r['tokens_per_text']}: capture {r['fit_seconds']['capture']:.0f} s, fit "
+           f"{r['fit_seconds']['fit']:.0f} s" for r in res["rows"]]
+    lines += ["", f"Wall times on a shared, loaded 2-core machine: model load {res['load_seconds']:.0f} s; "
+              + "; ".join(fit) + "."]
+    if not res.get("complete", True):
+        lines += ["", "Partial run: the rows above are the sizes measured so far."]
+    lines += ["", f"Command: `{res['command']}`."]
     return "\n".join(lines) + "\n"
 
 
@@ -206,14 +225,28 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=SIZES, help=f"KxN calibration sizes (default {SIZES})")
     ap.add_argument("--held-tokens", type=int, default=1024)
     ap.add_argument("--eps", type=float, default=EPS)
+    ap.add_argument("--sensitivity-at", type=int, default=1,
+                    help="index of the size whose bank gets the sensitivity record and the target-kl check")
     a = ap.parse_args(argv)
     sizes, held = ("1x448,2x448", 448) if a.quick else (a.sizes, a.held_tokens)
+
+    def partial(res):
+        write_json(res, a.json)
+        write_text(a.report, report(res))
+
     res = run(model_path=a.model, sizes=sizes, held_tokens=held, eps=a.eps, progress=not a.quiet,
-              command=command_line("calibration_size", argv))
+              command=command_line("calibration_size", argv), sensitivity_at=a.sensitivity_at, partial=partial)
     write_json(res, a.json)
     write_text(a.report, report(res))
     print(report(res))
     return 0
+
+
+def rerender(json_path: str, md_path: str) -> None:
+    """Write the Markdown report again from a result JSON."""
+    import json
+
+    write_text(md_path, report(json.loads(Path(json_path).read_text(encoding="utf-8"))))
 
 
 if __name__ == "__main__":
