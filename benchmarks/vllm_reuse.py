@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     stores = ["recompute"] + [s for s in stores if s != "recompute"]
     model = a.model
     if not model:
-        from kvz.integrations.vllm.convert import convert
+        from kvz.integrations.vllm import convert
 
         model = str(convert(Path("~/.cache/kvz/gemma3-hf").expanduser()))
     t0 = time.perf_counter()

@@ -101,10 +101,7 @@ class BlockStore:
             self.bank = resolve_bank(bank)
         self.threads = threads
         self.session = DecoderSession(banks=[self.bank] if self.bank is not None else ())
-        try:
-            from alignpred.format.container import MAJOR
-        except ImportError:  # pragma: no cover - layout of older trees
-            MAJOR = 1
+        from alignpred.format import MAJOR
         self.binding = {"scheme": KEY_SCHEME, "model": self.model_id, "block_size": self.block_size,
                         "dtype": self.dtype, "shape": list(self.shape), "format_major": MAJOR,
                         "config": self.config.to_json(), "bank": self.bank.id if self.bank is not None else None,
