@@ -59,8 +59,8 @@ def _tensor_nrmses(ref, got) -> dict:
 def load_chunks():
     """[(name, start, tensor [2, L, T, HD] bf16)] and the model metadata."""
     import torch
-    from alignpred import load_cache
 
+    from alignpred import load_cache
     from kvz.integrations.lmcache.kvcodec import model_metadata
 
     out, meta = [], None
@@ -117,8 +117,12 @@ def run_serde(ser, de, x, alloc, reps=1):
 def lmcache_rows(reps: int, quick: bool):
     import torch
     from lmcache.v1.distributed.api import MemoryLayoutDesc
-    from lmcache.v1.distributed.serde import (Fp8QuantizationDeserializer, Fp8QuantizationSerializer,
-                                              TurboQuantSerdeConfig, TurboQuantSerializer)
+    from lmcache.v1.distributed.serde import (
+        Fp8QuantizationDeserializer,
+        Fp8QuantizationSerializer,
+        TurboQuantSerdeConfig,
+        TurboQuantSerializer,
+    )
     from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
 
     from kvz.integrations.lmcache.kvcodec import KvzChunkCodec
@@ -218,8 +222,8 @@ def _pred_kl(weights, nrmses: dict):
 
 def _kvz_target_kl(x, meta, target_kl, start):
     import torch
-    from alignpred import Cache, KvzReader, compress
 
+    from alignpred import Cache, KvzReader, compress
     from kvz.integrations.lmcache._common import kv_pairs
     from kvz.integrations.lmcache.kvcodec import KvzChunkCodec
 
@@ -247,9 +251,9 @@ def sglang_rows(reps: int):
     import _torchvision_shim  # noqa: E402
 
     _torchvision_shim.install()
-    from conftest import host_pool, kvz_extra, storage_config  # noqa: E402
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang_testlib import host_pool, kvz_extra, storage_config  # noqa: E402
 
     from kvz.integrations.sglang import page_to_pairs
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["KvzChunkCodec", "as_numpy", "backend_from_url", "metadata_from_file", "model_metadata", "MODEL_FIELDS", "nrmse"]
+__all__ = ["KvzChunkCodec", "as_numpy", "backend_from_url", "metadata_from_file", "model_metadata", "MODEL_FIELDS",
+           "nrmse"]
 
 # The cache metadata fields that describe the model (not one cache): what an adapter configures once.
 MODEL_FIELDS = ("model", "layer_types", "rope_theta", "rope_pairing", "keys_roped", "rope", "rotary_dim",

@@ -32,8 +32,13 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from kvz.integrations.lmcache.kvcodec import (KvzChunkCodec, as_numpy, backend_from_url, metadata_from_file,
-                                              model_metadata)
+from kvz.integrations.lmcache.kvcodec import (
+    KvzChunkCodec,
+    as_numpy,
+    backend_from_url,
+    metadata_from_file,
+    model_metadata,
+)
 
 __all__ = ["KvzHiCacheStorage", "KvzHiCacheWarning", "page_to_pairs", "pairs_to_page", "LAYOUTS"]
 
@@ -121,7 +126,7 @@ class KvzHiCacheStorage(HiCacheStorage):
         self.codec = KvzChunkCodec(bank=extra.get("kvz_bank", "gemma-3-270m"), eps=float(extra.get("kvz_eps", 0.0267)),
                                    scope=str(extra.get("kvz_scope", "tensor")),
                                    lossless=_bool(extra.get("kvz_lossless", False)),
-                                   cache_metadata=model_metadata(meta if not isinstance(meta, str) else json.loads(meta)),
+                                   cache_metadata=model_metadata(json.loads(meta) if isinstance(meta, str) else meta),
                                    position=str(extra.get("kvz_position", "search")),
                                    max_positions=int(extra.get("kvz_max_positions", 8192)), threads=1)
         if backend is None:

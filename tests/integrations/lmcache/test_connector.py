@@ -1,5 +1,8 @@
+# ruff: noqa: F811  (pytest fixtures imported from the test library are parameters of the tests)
 """kvz's LMCache remote connector (kvz over the chunk store's Redis and directory backends), through
 LMCache's StorageManager / RemoteBackend and LMCacheEngine, on real Gemma 3 KV."""
+import os
+import sys
 import time
 import warnings
 
@@ -7,7 +10,9 @@ import pytest
 
 pytest.importorskip("lmcache")
 import torch  # noqa: E402
-from conftest import EPS, D, H, L, chunk_errors, kvz_extra, lm_config, lm_metadata  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lmcache_testlib import EPS, D, H, L, chunk_errors, kvz_extra, lm_config, lm_metadata, redis_server, sample  # noqa: E402,F401,F811
 
 CONN = {"remote_storage_plugin.kvzr.module_path": "kvz.integrations.lmcache",
         "remote_storage_plugin.kvzr.class_name": "KvzRemoteConnector"}
@@ -72,8 +77,9 @@ def test_storage_manager_remote_roundtrip(tmp_path, sample, store, request):
 
 
 def test_engine_store_retrieve_over_redis(sample, redis_server):
-    from kvz.integrations.lmcache import CPUBufferConnector
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    from kvz.integrations.lmcache import CPUBufferConnector
 
     ids, kv = sample
     cfg = remote_config(redis_server.url, lossless=True)
@@ -99,6 +105,7 @@ def test_engine_store_retrieve_over_redis(sample, redis_server):
 
 def test_store_down_and_corrupt_entry_are_misses(sample, redis_server):
     import redis
+
     from kvz.integrations.lmcache import KvzRemoteConnector
 
     _, kv = sample

@@ -1,13 +1,17 @@
+# ruff: noqa: F811  (pytest fixtures imported from the test library are parameters of the tests)
 """kvz as a registered LMCache L2 serde, through LMCache's distributed StorageManager with its
 MockL2Adapter (and the FS adapter's fixed-size limitation), on real Gemma 3 KV chunks."""
 import os
+import sys
 import time
 
 import pytest
 
 pytest.importorskip("lmcache")
 import torch  # noqa: E402
-from conftest import EPS, SAMPLE, D, H, L, chunk_errors  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lmcache_testlib import EPS, SAMPLE, D, H, L, chunk_errors, redis_server, sample  # noqa: E402,F401,F811
 
 KW = {"eps": EPS, "bank": "gemma-3-270m", "metadata_from": SAMPLE, "chunk_size": 64}
 
@@ -22,8 +26,12 @@ def wait_for(pred, timeout=120.0):
 
 
 def manager(adapter_cfg):
-    from lmcache.v1.distributed.config import (EvictionConfig, L1ManagerConfig, L1MemoryManagerConfig,
-                                               StorageManagerConfig)
+    from lmcache.v1.distributed.config import (
+        EvictionConfig,
+        L1ManagerConfig,
+        L1MemoryManagerConfig,
+        StorageManagerConfig,
+    )
     from lmcache.v1.distributed.l2_adapters.config import L2AdaptersConfig
     from lmcache.v1.distributed.storage_manager import StorageManager
 
@@ -83,17 +91,19 @@ def roundtrip(sm, kv, starts, T=256, count=None):
 
 
 def test_registered():
-    import kvz.integrations.lmcache.serde  # noqa: F401
     from lmcache.v1.distributed.serde import get_registered_serde_types
+
+    import kvz.integrations.lmcache.serde  # noqa: F401
 
     assert "kvz" in get_registered_serde_types()
     assert {"fp8", "turboquant"} <= set(get_registered_serde_types())
 
 
 def test_mock_l2_roundtrip(sample):
-    import kvz.integrations.lmcache.serde  # noqa: F401
     from lmcache.v1.distributed.l2_adapters.mock_l2_adapter import MockL2AdapterConfig
     from lmcache.v1.distributed.serde import SerdeConfig
+
+    import kvz.integrations.lmcache.serde  # noqa: F401
 
     _, kv = sample
     cfg = MockL2AdapterConfig(max_size_gb=0.2, mock_bandwidth_gb=10.0)
@@ -108,9 +118,10 @@ def test_mock_l2_roundtrip(sample):
 
 
 def test_fs_adapter_variable_size_is_detected_and_padding_works(tmp_path, sample):
-    import kvz.integrations.lmcache.serde as kserde
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
     from lmcache.v1.distributed.serde import SerdeConfig
+
+    import kvz.integrations.lmcache.serde as kserde
 
     _, kv = sample
 

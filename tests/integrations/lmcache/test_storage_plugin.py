@@ -1,5 +1,7 @@
+# ruff: noqa: F811  (pytest fixtures imported from the test library are parameters of the tests)
 """kvz's LMCache storage plugin through LMCache's own StorageManager and LMCacheEngine, on real Gemma 3 KV."""
 import os
+import sys
 import time
 import warnings
 
@@ -7,7 +9,9 @@ import pytest
 
 pytest.importorskip("lmcache")
 import torch  # noqa: E402
-from conftest import EPS, D, H, L, chunk_errors, kvz_extra, lm_config, lm_metadata  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lmcache_testlib import EPS, D, H, L, chunk_errors, kvz_extra, lm_config, lm_metadata, redis_server, sample  # noqa: E402,F401,F811
 
 PLUGIN = {"storage_plugin.kvz.module_path": "kvz.integrations.lmcache",
           "storage_plugin.kvz.class_name": "KvzStoragePlugin"}
@@ -58,7 +62,7 @@ def test_storage_manager_roundtrip_and_position(tmp_path, sample):
         plugin.wait()
         for o in objs:
             o.ref_count_down()
-        for j, k in enumerate(keys):
+        for k in keys:
             assert plugin.contains(k)
         # drop the CPU copies so the reads come from the kvz tier
         for k in keys:
@@ -121,11 +125,12 @@ def test_corrupt_entry_and_store_down_are_misses(tmp_path, sample):
 @pytest.mark.parametrize("lossless", [False, True])
 def test_engine_store_retrieve(tmp_path, sample, lossless):
     """LMCacheEngineBuilder.get_or_create + store + retrieve on CPU through the kvz tier only."""
-    from kvz.integrations.lmcache import CPUBufferConnector
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
+    from kvz.integrations.lmcache import CPUBufferConnector
+
     ids, kv = sample
-    T = len(ids)  # 448: one full 256-token chunk and a 192-token partial one (not saved)
+    # 448 tokens: one full 256-token chunk and a 192-token partial one (not saved)
     cfg = plugin_config(tmp_path / "kvz", lossless=lossless)
     cfg.local_cpu = False  # the CPU tier is only a buffer: hits must come from kvz
     name = f"kvz-engine-{int(lossless)}"

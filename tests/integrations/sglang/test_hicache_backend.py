@@ -1,12 +1,17 @@
+# ruff: noqa: F811  (pytest fixtures imported from the test library are parameters of the tests)
 """kvz's SGLang HiCache storage backend, factory-built (backend "dynamic"), with SGLang's real
 MHATokenToKVPoolHost on the CPU, in all four page layouts, on real Gemma 3 KV."""
+import os
+import sys
 import warnings
 
 import pytest
 
 pytest.importorskip("sglang")
 import torch  # noqa: E402
-from conftest import EPS, PAGE, D, H, L, host_pool, kvz_extra, nrmse, storage_config  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sglang_testlib import EPS, PAGE, D, H, L, host_pool, kvz_extra, nrmse, redis_server, sample, storage_config  # noqa: E402,F401,F811
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
@@ -38,8 +43,9 @@ def make_backend(pool, url, **kw):
 @pytest.mark.parametrize("lossless", [True, False])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_v1_roundtrip_all_layouts(tmp_path, sample, layout, lossless):
-    from alignpred import KvzReader
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from alignpred import KvzReader
 
     _, k, v = sample
     pool = host_pool(layout)
