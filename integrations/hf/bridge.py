@@ -27,6 +27,7 @@ torch / transformers are imported lazily.
 from __future__ import annotations
 
 import inspect
+import os
 
 import numpy as np
 
@@ -44,8 +45,13 @@ def text_config(model):
 def model_id_of(model) -> str:
     """The model id written into metadata and bound into chunk keys."""
     cfg = model.config
-    mid = getattr(model, "kvz_model_id", None) or getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "")
-    return str(mid or type(model).__name__)
+    mid = getattr(model, "kvz_model_id", None)
+    if not mid:
+        path = str(getattr(cfg, "_name_or_path", "") or "")
+        # a local directory is not a model id: its last component is the closest thing to a name
+        mid = os.path.basename(os.path.normpath(path)) if path and (os.path.isabs(path) or os.path.exists(path)) \
+            else path
+    return str(mid or getattr(cfg, "model_type", "") or type(model).__name__)
 
 
 def kv_shape(model) -> tuple[int, int, int]:
@@ -136,26 +142,73 @@ def kv_metadata(model, n_positions: int, *, position_offset: int = 0, token_ids=
     return meta
 
 
-def _kv_arrays(full_kv) -> list:
+def kv_pairs(kv) -> list:
+    """``[(key, value)]`` per layer from what a transformers user holds: a ``Cache`` (``DynamicCache``,
+    full and sliding layers: ``cache.layers[i].keys``), legacy tuples ``((k, v), ...)``, or pairs
+    already; each ``[kv_heads, T, head_dim]`` (a batch of one is dropped), on the CPU."""
+    layers = getattr(kv, "layers", None)
+    if layers is not None and not isinstance(kv, (list, tuple)):
+        pairs = [(layer.keys, layer.values) for layer in layers]
+        if any(k is None for k, _ in pairs):
+            raise ValueError("the cache has layers that hold nothing yet (run a prefill first)")
+    else:
+        pairs = [tuple(p)[:2] for p in kv]
     out = []
-    for k, v in full_kv:
+    for i, (k, v) in enumerate(pairs):
         k = k.detach().to("cpu") if hasattr(k, "detach") else k
         v = v.detach().to("cpu") if hasattr(v, "detach") else v
         if k.ndim == 4:
+            if k.shape[0] != 1:
+                raise ValueError(f"layer {i} holds a batch of {k.shape[0]}; save one sequence at a time (cache[b])")
             k, v = k[0], v[0]
+        out.append((k, v))
+    return out
+
+
+def _pad_sliding(kv: list, model) -> list:
+    """Sliding-window layers of a ``DynamicCache`` hold only their last window; the file needs every
+    layer at every position. The positions a sliding layer dropped are never attended again, so they
+    are stored as zeros (cheap to code; loading keeps only the window again, as a prefill would).
+    Any other length mismatch is an error that says which layer and why."""
+    from kvz.integrations.hf.rope import layer_types_of
+
+    T = max(int(k.shape[-2]) for k, _ in kv)
+    if all(int(k.shape[-2]) == T for k, _ in kv):
+        return kv
+    types = list(layer_types_of(model.config)) or ["full_attention"] * len(kv)
+    window = int(getattr(text_config(model), "sliding_window", 0) or 0)
+    out = []
+    for i, (k, v) in enumerate(kv):
+        n = int(k.shape[-2])
+        if n != T:
+            if "sliding" not in str(types[i]) or n < min(T, max(window - 1, 1)):
+                raise ValueError(f"layer {i} ({types[i]}) holds {n} positions but others hold {T}: save the cache "
+                                 "right after a prefill or generate, before any layer was cropped")
+            pad = (k.shape[0], T - n, k.shape[-1])
+            if hasattr(k, "new_zeros"):
+                import torch
+
+                k, v = torch.cat([k.new_zeros(pad), k], dim=-2), torch.cat([v.new_zeros(pad), v], dim=-2)
+            else:
+                import numpy as np
+
+                k = np.concatenate([np.zeros(pad, k.dtype), k], axis=-2)
+                v = np.concatenate([np.zeros(pad, v.dtype), v], axis=-2)
         out.append((k, v))
     return out
 
 
 def save_kv(full_kv, out, *, model, eps: float, bank, position_offset: int = 0, token_ids=None,
             model_id: str | None = None, config=None, scope: str = "tensor", dtype: str | None = None, **kw):
-    """Compress ``full_kv`` (``[(key, value)]`` per layer, ``[kv_heads, T, head_dim]``, torch or numpy)
-    to ``out`` (a path, a binary stream, or None for bytes in ``info.data``) with the model's
-    metadata; returns :class:`alignpred.CompressInfo`. ``dtype`` (``float16``/``bfloat16``/``float32``)
-    casts before coding (default: as given — float32 for an fp32 model)."""
+    """Compress ``full_kv`` — a transformers ``Cache`` as ``generate``/a forward returns it (full and
+    sliding layers, any length), legacy tuples, or ``[(key, value)]`` per layer, ``[kv_heads, T,
+    head_dim]``, torch or numpy — to ``out`` (a path, a binary stream, or None for bytes in
+    ``info.data``) with the model's metadata; returns :class:`alignpred.CompressInfo`. ``dtype``
+    (``float16``/``bfloat16``/``float32``) casts before coding (default: as given — float32 for an
+    fp32 model)."""
     from alignpred import Cache, compress
 
-    kv = _kv_arrays(full_kv)
+    kv = _pad_sliding(kv_pairs(full_kv), model)
     if dtype is not None:
         import torch
 

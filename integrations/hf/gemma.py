@@ -164,6 +164,7 @@ def load_gemma(device: str = "cpu", *, directory: str | os.PathLike | None = Non
                 print(f"kvz: could not cache dequantized model in {deq}: {exc}", file=sys.stderr)
     model.eval()
     model.to(device)
+    model.kvz_model_id = MODEL_ID  # the model's name in metadata and chunk keys, not the local directory
     return model, tokenizer
 
 

@@ -177,3 +177,30 @@ def test_gemma_generate_from_decoded_cache(gemma, tmp_path):
     t0, l0 = _greedy(model, cache_from_kv(model, kv), ids, 16)
     p0, p1 = l0[0].double().log_softmax(-1), l1[0].double().log_softmax(-1)
     assert float((p0.exp() * (p0 - p1)).sum()) < 0.05
+
+
+def test_a_generate_cache_saves_in_one_call_and_continues_identically(tiny, tiny_bank, tmp_path):
+    """The cache ``generate`` returns — sliding layers already cropped to their window — goes to
+    save_kv as it is (issue 16): lossless, the continuation from the loaded file is identical to the
+    continuation from the original cache; lossy, it stays close."""
+    ids = torch.randint(3, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        out = tiny.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    dc = out.past_key_values
+    lens = {int(layer.keys.shape[-2]) for layer in dc.layers}
+    assert len(lens) == 2, "the sliding layers should hold fewer positions than the full ones"
+    seq = out.sequences[0].tolist()
+    import copy
+
+    ref, _ = _greedy(tiny, copy.deepcopy(dc), seq, 8)
+    p = tmp_path / "gen.kvz"
+    save_kv(dc, p, model=tiny, eps=0.05, bank=tiny_bank, lossless=True)
+    r = KvzReader(p, bank=tiny_bank)
+    assert r.layout.n_tokens == max(lens) == len(seq) - 1
+    got, _ = _greedy(tiny, load_cache(p, tiny, bank=tiny_bank), seq, 8)
+    assert got == ref
+    legacy = [(layer.keys, layer.values) for layer in dc.layers]      # the same as legacy tuples
+    assert len(save_kv(legacy, None, model=tiny, eps=0.05, bank=tiny_bank).data) > 0
+    with pytest.raises(ValueError, match="holds 5 positions but others hold"):
+        save_kv([(k[..., :5, :], v[..., :5, :]) if i == 1 else (k, v) for i, (k, v) in enumerate(legacy)], None,
+                model=tiny, eps=0.05, bank=tiny_bank)
