@@ -61,7 +61,7 @@ def load_chunks():
     import torch
 
     from alignpred import load_cache
-    from kvz.integrations.lmcache.kvcodec import model_metadata
+    from kvz.integrations.lmcache import model_metadata
 
     out, meta = [], None
     for n in NAMES:
@@ -125,8 +125,7 @@ def lmcache_rows(reps: int, quick: bool):
     )
     from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
 
-    from kvz.integrations.lmcache.kvcodec import KvzChunkCodec
-    from kvz.integrations.lmcache.serde import KvzDeserializer, KvzSerializer
+    from kvz.integrations.lmcache import KvzChunkCodec, KvzDeserializer, KvzSerializer
 
     chunks, meta = load_chunks()
     if quick:
@@ -179,7 +178,7 @@ def lmcache_rows(reps: int, quick: bool):
                 predicted_kl=_pred_kl(weights, _tensor_nrmses(x, y)))
         # the same with the true position given (what a position-aware caller gets)
         codec = KvzChunkCodec(bank=BANK, eps=fp8_worst, cache_metadata=meta)
-        from kvz.integrations.lmcache._common import kv_pairs
+        from kvz.integrations.lmcache import kv_pairs
 
         pairs = kv_pairs(x, 1)
         blob_true = codec.encode(pairs, start)
@@ -205,7 +204,7 @@ def lmcache_rows(reps: int, quick: bool):
 
 def _sensitivity():
     try:
-        from alignpred.bank.registry import find, sensitivity  # not public yet (see the report)
+        from alignpred.bank import find, sensitivity
 
         b = find(BANK)
         rec = sensitivity(b.id, b.model)
@@ -224,8 +223,7 @@ def _kvz_target_kl(x, meta, target_kl, start):
     import torch
 
     from alignpred import Cache, KvzReader, compress
-    from kvz.integrations.lmcache._common import kv_pairs
-    from kvz.integrations.lmcache.kvcodec import KvzChunkCodec
+    from kvz.integrations.lmcache import KvzChunkCodec, kv_pairs
 
     pairs = kv_pairs(x, 1)
     tensors = KvzChunkCodec(bank=BANK, cache_metadata=meta).tensors(pairs)
@@ -234,7 +232,7 @@ def _kvz_target_kl(x, meta, target_kl, start):
     back, dec = _timed(lambda: KvzReader(info.data, threads=1).read(), 3, "dec")
     L = len(pairs)
     y = torch.zeros_like(x)
-    from kvz.integrations.lmcache._common import write_pairs
+    from kvz.integrations.lmcache import write_pairs
 
     write_pairs(y, [(back[f"layers.{i}.key"], back[f"layers.{i}.value"]) for i in range(L)])
     return {"bytes": len(info.data) + 16, "worst": _worst(x, y), "enc": enc, "dec": dec,

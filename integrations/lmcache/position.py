@@ -47,19 +47,9 @@ class PositionGuess:
 
 
 def _bank(bank):
-    from alignpred import Bank
+    from alignpred import resolve_bank
 
-    if isinstance(bank, Bank):
-        return bank
-    try:  # the public resolver, once the library exports it
-        from alignpred import resolve_bank  # type: ignore[attr-defined]
-    except ImportError:
-        resolve_bank = None
-    if resolve_bank is not None:
-        return resolve_bank(bank)
-    from alignpred.bank.registry import find  # not public yet: see the report
-
-    return find(bank)
+    return resolve_bank(bank)
 
 
 def _field(meta: dict, name: str, default=None):

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from kvz.integrations.lmcache.kvcodec import (
+from kvz.integrations.lmcache import (  # the engine-free chunk codec (imports no LMCache)
     KvzChunkCodec,
     as_numpy,
     backend_from_url,
