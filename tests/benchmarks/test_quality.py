@@ -117,6 +117,7 @@ def test_default_prompts_windows():
         q.default_prompts(2, 600, tokenizer=_Tok())
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_injecting_own_kv_is_exact():
     """The model's own K/V, extracted and injected into a fresh cache, reproduces the full run: identical

@@ -171,6 +171,7 @@ def _tiny_gemma():
     return model
 
 
+@pytest.mark.slow
 def test_tiny_end_to_end(tmp_path):
     """Random-weight model shaped like Gemma 3 270M's cache (18 layers, 1 KV head, head_dim 256): every metric
     comes from decoding and running the model; the bf16 floor is tiny, FP8 costs more, bits are counted."""

@@ -80,6 +80,7 @@ def tiny():
     return cache, fit_bank([cache], rank=None)
 
 
+@pytest.mark.slow
 def test_codec_section_rows_json_plot(tiny, tmp_path):
     pytest.importorskip("zstandard")
     cache, bank = tiny

@@ -97,6 +97,7 @@ def test_contexts_are_exponents():
     assert contexts(x).tolist() == [127, 128, 128, 0]
 
 
+@pytest.mark.slow
 def test_lossless_round_trip_on_every_sample_any_thread_count_and_process(tmp_path):
     """Every bundled sample, whole: the exact tier decodes to the input bits with 1, 2 and 4 decode
     threads, and in a second process."""

@@ -113,6 +113,7 @@ def _by_hand(attn, hidden, theta):
     return _rope_half(attn.k_norm(k), torch.arange(T), theta), v
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_capture_matches_model_cache(gemma, tmp_path):
     import torch

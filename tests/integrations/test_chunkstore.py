@@ -200,6 +200,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_concurrent_writers_and_readers(kind, tmp_path, request):
     """4 writer processes put the same and different chunks while 2 readers decode and verify every
@@ -379,6 +380,7 @@ def test_redis_restart_mid_run(tiny, request):
 
 # --------------------------------------------------------------------------- real model
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_gemma_prefix_and_content_reuse(gemma, tmp_path):
     """Real model, kvz codec at the default eps: exact-prefix reuse stays close to full recompute;

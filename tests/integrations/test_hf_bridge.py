@@ -154,6 +154,7 @@ def test_load_cache_rejects_other_rope(tiny, tiny_bank, tmp_path):
 
 # --------------------------------------------------------------------------- real model
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_gemma_generate_from_decoded_cache(gemma, tmp_path):
     """600 positions (past the 512 window): generation from load_cache equals generation from the same

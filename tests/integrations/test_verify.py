@@ -386,6 +386,7 @@ def test_loop_rejects_bad_arguments():
 # ================================================================== Gemma 3 270M
 
 
+@pytest.mark.slow
 @needs_torch
 @pytest.mark.model
 def test_gemma_drafters_are_lossless(gemma):

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (pytest fixtures imported from the test library are parameters of the tests)
 """kvz as vLLM's KV store, end to end with vLLM's own engine (``LLM``) serving Gemma 3 270M on the CPU.
 
 Every engine runs in its own process (``kvz.integrations.vllm.harness``): the store is written by one
