@@ -166,3 +166,30 @@ class BackendReader:
                 warn(f"{self.what}: entry {key[:60]} failed its checksum; deleted, a miss")
             self._dropped = n
         return rec
+
+
+def load_entry(rec, key: str, *, allocator, codec, backend, who: str):
+    """A stored record decoded into a fresh LMCache memory object from ``allocator`` (the local CPU
+    backend), or None: no buffer, or a corrupt entry (deleted) — a miss and a warning, never an error."""
+    import torch
+
+    obj = None
+    try:
+        head, blob = unpack(rec)
+        obj = allocator.allocate([torch.Size(tuple(head["shape"]))], [torch_dtype(head["dtype"])],
+                                 memory_format(head["fmt"]))
+        if obj is None:
+            warn(f"{who}: no CPU buffer for a hit; a miss")
+            return None
+        pairs, _ = codec.decode(blob)
+        write_pairs(obj.tensor, pairs)
+        return obj
+    except Exception as e:
+        warn(f"{who}: entry {key[:60]} is corrupt ({type(e).__name__}: {e}); deleted, a miss")
+        if obj is not None:
+            obj.ref_count_down()
+        try:
+            backend.delete(key)
+        except Exception:
+            pass
+        return None

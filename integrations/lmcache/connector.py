@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from . import _common as C
@@ -77,26 +76,8 @@ class KvzRemoteConnector(RemoteConnector):
         rec = self._reader.get(k)
         if rec is None:
             return None
-        obj = None
-        try:
-            head, blob = C.unpack(rec)
-            obj = self.local_cpu_backend.allocate([torch.Size(head["shape"])], [C.torch_dtype(head["dtype"])],
-                                                  C.memory_format(head["fmt"]))
-            if obj is None:
-                C.warn("kvz remote connector: no CPU buffer for a hit; a miss")
-                return None
-            pairs, _ = self.codec.decode(blob)
-            C.write_pairs(obj.tensor, pairs)
-            return obj
-        except Exception as e:
-            C.warn(f"kvz remote connector: entry {k[:60]} is corrupt ({type(e).__name__}: {e}); deleted, a miss")
-            if obj is not None:
-                obj.ref_count_down()
-            try:
-                self.backend.delete(k)
-            except Exception:
-                pass
-            return None
+        return C.load_entry(rec, k, allocator=self.local_cpu_backend, codec=self.codec, backend=self.backend,
+                            who="kvz remote connector")
 
     # ------------------------------------------------------------------ RemoteConnector
     async def exists(self, key) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from . import _common as C
@@ -136,27 +135,8 @@ class KvzStoragePlugin(StoragePluginInterface):
         rec = self._reader.get(k)
         if rec is None:
             return None
-        obj = None
-        try:
-            head, blob = C.unpack(rec)
-            shape = tuple(head["shape"])
-            obj = self.local_cpu_backend.allocate([torch.Size(shape)], [C.torch_dtype(head["dtype"])],
-                                                  C.memory_format(head["fmt"]))
-            if obj is None:
-                C.warn("kvz storage plugin: no CPU buffer for a hit; treated as a miss")
-                return None
-            pairs, _ = self.codec.decode(blob)
-            C.write_pairs(obj.tensor, pairs)
-            return obj
-        except Exception as e:
-            C.warn(f"kvz storage plugin: entry {k[:60]} is corrupt ({type(e).__name__}: {e}); deleted, a miss")
-            if obj is not None:
-                obj.ref_count_down()
-            try:
-                self.backend.delete(k)
-            except Exception:
-                pass
-            return None
+        return C.load_entry(rec, k, allocator=self.local_cpu_backend, codec=self.codec, backend=self.backend,
+                            who="kvz storage plugin")
 
     def get_allocator_backend(self):
         if self.local_cpu_backend is None:
