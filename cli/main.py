@@ -15,6 +15,7 @@ import click
 # Only the light part of kvz at import time (``kvz --help`` must start in well under 0.15 s): every
 # command imports the library it uses when it runs.
 from alignpred.errors import KvzError, OutputExistsError
+from kvz.cli.calibrate_cmd import model_options as _calibrate_model_options  # imports only click
 
 
 def _errors(fn):
@@ -252,7 +253,7 @@ def _decompress_outputs(srcs, out) -> list[str]:
 
 
 @cli.command()
-@click.argument("caches", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("caches", nargs=-1, required=False, type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Output bank (.h5).")
 @click.option("--rank", type=int, default=0, show_default=True,
               help="Rank of the prediction maps (0 = full; measured best: rank 128 costs +0.2 bpv).")
@@ -264,9 +265,26 @@ def _decompress_outputs(srcs, out) -> list[str]:
               help="Relative noise the maps are made robust to (the typical eps).")
 @click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True)
+@_calibrate_model_options
 @_errors
-def calibrate(caches, out, rank, depth, group_size, no_rotations, eps_cal, force, as_json):
-    """Fit a calibration bank (GPA rotations and prediction maps) on caches of one model."""
+def calibrate(caches, out, rank, depth, group_size, no_rotations, eps_cal, force, as_json, model_path, texts, tokens,
+              register_name, sensitivity, model_id, quiet):
+    """Fit a calibration bank (GPA rotations and prediction maps) on caches of one model — or, with
+    --model M --texts DIR, on your own model: capture its KV on the texts, fit, measure the
+    sensitivity record (--target-kl) and register the bank, with progress (-q: none)."""
+    if model_path:
+        if caches:
+            raise click.UsageError("give CACHES... or --model M --texts DIR, not both")
+        from kvz.cli.calibrate_cmd import calibrate_model
+
+        calibrate_model(model_path=model_path, texts=texts, out=out, tokens=tokens, register_name=register_name,
+                        sensitivity=sensitivity, model_id=model_id, quiet=quiet, force=force, rank=rank, depth=depth,
+                        group_size=group_size, no_rotations=no_rotations, eps_cal=eps_cal, as_json=as_json)
+        return
+    if not caches:
+        raise click.UsageError("give CACHES... (kvz cache files) or --model M --texts DIR")
+    if texts or tokens or register_name or model_id:
+        raise click.UsageError("--texts, --tokens, --register and --model-id go with --model")
     skip_numba_blas_probe()
     from alignpred import fit_bank, load_cache
 
