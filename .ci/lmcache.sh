@@ -22,4 +22,4 @@ $PIP install -q -c "$VENV/kvz-constraints.txt" lmcache==0.5.6
 $PIP install -q -c "$VENV/kvz-constraints.txt" -e ".[store,test]"
 "$VENV/bin/python" -c "import torch, lmcache; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
-OPENBLAS_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/lmcache
+OPENBLAS_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/lmcache_engine

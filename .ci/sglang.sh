@@ -2,7 +2,7 @@
 # kvz inside SGLang HiCache: a fresh venv with the CPU torch, SGLang 0.5.23 without its dependencies
 # (they pin a CUDA torch 2.14.1) plus the pure-Python ones its KV-cache modules import, and kvz
 # editable; then the adapter tests against the real package. torchvision is not installed (PyPI's
-# build needs CUDA); the tests put a stand-in on SGLang's import path (tests/integrations/sglang/
+# build needs CUDA); the tests put a stand-in on SGLang's import path (tests/integrations/sglang_engine/
 # _torchvision_shim.py). Called from .ci/run; the venv lives outside the repository.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,4 +29,4 @@ $PIP install -q -c "$VENV/kvz-constraints.txt" orjson==3.13.0 psutil==7.2.2 pyba
 $PIP install -q -c "$VENV/kvz-constraints.txt" -e ".[store,test]"
 "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
-OPENBLAS_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/sglang
+OPENBLAS_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/sglang_engine

