@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import synthetic_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -382,8 +383,6 @@ def test_a_lanes32_file_is_format_1_2_and_decodes_like_rans4():
     to the same bits as the rans4 file of the same cache; a lanes32 header that claims 1.1 is refused."""
     import json
     import struct
-
-    from conftest import synthetic_cache
 
     from alignpred import FormatError, KvzReader, compress_bytes, fit_bank
 
