@@ -105,9 +105,9 @@ def tables(prec: int = LANES_PREC):
     for m in range(M):
         toks = np.repeat(tok, g[m])
         dtab[m] = (g[m][toks] << 20) | ((s - cum[m][toks]) << 8) | toks
-    dtab = dtab.reshape(-1)
-    dtab.setflags(write=False)
-    return packed, dtab
+    flat = dtab.reshape(-1)
+    flat.setflags(write=False)
+    return packed, flat
 
 
 def header_words(n: int) -> int:
