@@ -30,3 +30,13 @@ def test_acceptance_refuses_a_missing_data_set(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         acceptance.main([])
     assert "make_samples.py --what eval" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("doc", ["README.md", "benchmarks/RESULTS.md", "benchmarks/results/quality-20prompts.md",
+                                 "docs/own-model.md", "format_spec/README.md"])
+def test_docs_name_no_bank_file_that_does_not_exist(doc):
+    """Every ``*.h5`` path a document names exists (issue 16: results named a bank that had moved)."""
+    text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+    for path in re.findall(r"`([\w./-]+\.h5)`", text):
+        if "/" in path and not path.startswith(("~", "/", "path/", "caches/")):
+            assert os.path.exists(os.path.join(ROOT, path)), f"{doc} names {path}, which does not exist"
