@@ -88,17 +88,10 @@ def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, mode
                 click.echo("loading Gemma 3 270M ...", err=True)
             s = run_capture(text, tokens, out, dtype=dtype, chunk=chunk, progress=not quiet, source=source)
         else:
-            from kvz.integrations.hf import UnsupportedRope, capture_model, load_model
+            from kvz.cli.calibrate_cmd import load_for_cli
+            from kvz.integrations.hf import UnsupportedRope, capture_model
 
-            mp = Path(model_path).expanduser()
-            if not quiet:
-                click.echo(f"loading {mp} ...", err=True)
-            try:
-                model, tokenizer = load_model(mp)
-            except (FileNotFoundError, ValueError) as e:
-                raise click.ClickException(str(e)) from None
-            if tokenizer is None:
-                raise click.ClickException(f"{mp}: the model has no tokenizer; kvz capture needs one for TEXT")
+            mp, model, tokenizer = load_for_cli(model_path, quiet, "kvz capture", "TEXT")
             mid = model_id or (mp.stem if mp.is_file() else mp.name)
             try:
                 s = capture_model(model, tokenizer, text, out, dtype=dtype, chunk=chunk, model_id=mid,
