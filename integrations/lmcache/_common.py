@@ -101,6 +101,19 @@ def num_heads_of(metadata) -> int:
     return int(metadata.kv_shape[3])
 
 
+def start_warmup(codec: KvzChunkCodec, metadata, opts: dict, who: str) -> None:
+    """Compile the codec's kernels in the background at start-up (``<prefix>.warmup: false`` turns
+    it off): a cold numba compile takes longer than LMCache waits for a read (10 s)."""
+    if not _bool(opts.get("warmup", True)):
+        return
+    L, _, _, H, D = (int(x) for x in metadata.kv_shape)
+    dtype = str(getattr(metadata, "kv_dtype", "bfloat16")).replace("torch.", "")
+    def failed(e: Exception) -> None:
+        warn(f"{who}: codec warm-up failed ({type(e).__name__}: {e}); the first request compiles")
+
+    codec.start_warmup(L, H, D, dtype, on_error=failed)
+
+
 # ---------------------------------------------------------------------------- stored records
 # A record: magic, JSON length, JSON {shape, dtype, fmt}, then the .kvz blob.
 MAGIC = b"KVZLMC1\0"

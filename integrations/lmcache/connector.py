@@ -13,6 +13,7 @@ LMCache configuration::
       remote_storage_plugin.kvzr.eps: 0.0267
       remote_storage_plugin.kvzr.bank: gemma-3-270m
       remote_storage_plugin.kvzr.metadata_from: /path/cache.safetensors
+      remote_storage_plugin.kvzr.warmup: true      # compile kernels at start-up (background)
 
 LMCache builds it as ``cls(loop=, local_cpu_backend=, config=)`` (no plugin name: it is found from the
 config by class name). Encode and decode run in the event loop's executor. Entries are checksummed
@@ -28,6 +29,11 @@ from . import _common as C
 from .kvcodec import backend_from_url
 
 __all__ = ["KvzRemoteConnector", "backend_from_url"]
+
+
+def _release_late_result(fut) -> None:
+    if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+        fut.result().ref_count_down()
 
 
 class KvzRemoteConnector(RemoteConnector):
@@ -52,6 +58,7 @@ class KvzRemoteConnector(RemoteConnector):
             backend = backend_from_url(str(url), int(float(gb) * (1 << 30)) if gb else None)
         self.backend = backend
         self._reader = C.BackendReader(backend, f"kvz remote connector {self.name}")
+        C.start_warmup(self.codec, meta, opts, f"kvz remote connector {self.name}")
 
     def __repr__(self):
         return f"<KvzRemoteConnector {self.name} {self.backend!r}>"
@@ -84,7 +91,14 @@ class KvzRemoteConnector(RemoteConnector):
         return self.exists_sync(key)
 
     async def get(self, key):
-        return await self.loop.run_in_executor(None, self._get_sync, key)
+        fut = self.loop.run_in_executor(None, self._get_sync, key)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # LMCache gave up waiting (its blocking timeout): the decode still finishes into a buffer
+            # of LMCache's allocator that nobody will take now; release it when it arrives.
+            fut.add_done_callback(_release_late_result)
+            raise
 
     async def put(self, key, memory_obj):
         try:

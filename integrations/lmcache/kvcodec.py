@@ -19,6 +19,7 @@ Nothing here imports an engine; errors are :class:`alignpred.KvzError` (corrupt 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -110,6 +111,8 @@ class KvzChunkCodec:
     stats: dict = field(default_factory=lambda: {"encoded": 0, "decoded": 0, "searched": 0,
                                                  "encode_s": 0.0, "decode_s": 0.0, "search_s": 0.0,
                                                  "raw_bytes": 0, "stored_bytes": 0})
+    warmup_s: float | None = field(default=None, init=False, compare=False)  # set by start_warmup
+    _warm: threading.Thread | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.position not in POSITION_MODES:
@@ -165,6 +168,49 @@ class KvzChunkCodec:
         self.stats["raw_bytes"] += sum(a.nbytes for a in tensors.values())
         self.stats["stored_bytes"] += len(info.data)
         return info.data
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, num_layers: int, num_heads: int, head_dim: int, dtype: str = "bfloat16",
+               tokens: int = 16) -> float:
+        """Encode and decode one synthetic chunk of this shape in this codec's mode, so numba has
+        compiled (or loaded from its cache) every kernel before the first real request: a cold
+        first compile takes tens of seconds, longer than an engine waits for a read. Not counted
+        in :attr:`stats`. Returns the seconds taken."""
+        import ml_dtypes
+
+        t0 = time.perf_counter()
+        dt = np.dtype(getattr(ml_dtypes, dtype, dtype))
+        rng = np.random.default_rng(0)
+        pairs = [tuple(rng.standard_normal((num_heads, tokens, head_dim)).astype(dt) for _ in range(2))
+                 for _ in range(num_layers)]
+        saved = dict(self.stats)
+        try:
+            self.decode(self.encode(pairs, None, step=tokens))
+        finally:
+            self.stats.clear()
+            self.stats.update(saved)
+        return time.perf_counter() - t0
+
+    def start_warmup(self, num_layers: int, num_heads: int, head_dim: int, dtype: str = "bfloat16", *,
+                     on_error=None) -> None:
+        """:meth:`warmup` on a background thread (engines call it at start-up); ``on_error(exc)``
+        is told of a failure (the codec still works, its first request just compiles)."""
+        def run():
+            try:
+                self.warmup_s = self.warmup(num_layers, num_heads, head_dim, dtype)
+            except Exception as e:  # noqa: BLE001 - reported, never raised into the engine
+                if on_error is not None:
+                    on_error(e)
+
+        self._warm = threading.Thread(target=run, name="kvz-warmup", daemon=True)
+        self._warm.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for a warm-up started by :meth:`start_warmup`; True when none is running."""
+        if self._warm is not None:
+            self._warm.join(timeout)
+            return not self._warm.is_alive()
+        return True
 
     # ------------------------------------------------------------------ decode
     def reader(self, blob):

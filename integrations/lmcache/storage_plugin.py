@@ -12,6 +12,7 @@ LMCache configuration (its own keys; YAML or ``LMCacheEngineConfig``)::
       storage_plugin.kvz.bank: gemma-3-270m                  # calibration bank (name, id or path)
       storage_plugin.kvz.lossless: false                     # true: bit-exact
       storage_plugin.kvz.metadata_from: /path/cache.safetensors  # or .metadata: {"rope_theta": ..., ...}
+      storage_plugin.kvz.warmup: true              # compile kernels at start-up (background)
 
 LMCache's keys carry a chunk hash, not a token position, so each chunk's rotary phase is searched
 over chunk-aligned offsets (:mod:`.position`) and recorded in the file. Writes run on a worker
@@ -59,6 +60,7 @@ class KvzStoragePlugin(StoragePluginInterface):
         self._lock = threading.Lock()
         self._inflight: set = set()
         self._pool = ThreadPoolExecutor(max_workers=int(opts.get("workers", 1)), thread_name_prefix="kvz-put")
+        C.start_warmup(self.codec, metadata, opts, "kvz storage plugin")
 
     def __str__(self):
         return f"KvzStoragePlugin({self.name})"
