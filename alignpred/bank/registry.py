@@ -132,7 +132,9 @@ def find(ref, layout=None):
         return ref
     ref_s = os.fspath(ref)
     if os.path.sep in ref_s or ref_s.endswith(".h5") or os.path.exists(ref_s):
-        return Bank.load(ref_s)
+        bank = Bank.load(ref_s)
+        _LOADED_FROM.setdefault(bank.id, set()).add(os.path.abspath(ref_s))
+        return bank
     e = lookup(ref_s)
     if e is None:
         raise BankMismatchError(f"no bank file or registered bank {ref_s!r}{_fitting_hint(layout)}")
@@ -257,17 +259,25 @@ def add(path, name: str | None = None, force: bool = False) -> BankEntry:
     return e
 
 
+# bank id -> the files this process loaded it from by path (their ``<stem>.sensitivity.json`` is
+# looked at first: a bank fitted by ``kvz calibrate --model`` and given by path, not registered)
+_LOADED_FROM: dict[str, set[str]] = {}
+
+
 def sensitivity(bank_id: str, model: str = "") -> dict | None:
-    """The downstream-sensitivity record of a bank (``<name>.sensitivity.json`` next to a
-    registered bank, matched by ``bank_id``; written by ``benchmarks/sensitivity.py``): per-tensor
-    weights in KL per NRMSE², used by the weighted scope and ``target_kl``. None if there is none."""
+    """The downstream-sensitivity record of a bank (``<stem>.sensitivity.json`` beside a bank file
+    loaded by path, or beside a registered bank; matched by ``bank_id``; written by ``kvz calibrate
+    --model`` and ``benchmarks/sensitivity.py``): per-tensor weights in KL per NRMSE², used by the
+    weighted scope and ``target_kl``. None if there is none."""
     from alignpred.io import read_json
 
+    candidates = [p for f in sorted(_LOADED_FROM.get(bank_id, ()))
+                  if (p := Path(f).with_suffix(".sensitivity.json")).is_file()]
     for _, d in search_dirs():
-        if not d.is_dir():
-            continue
-        for p in sorted(d.glob("*.sensitivity.json")):
-            rec = read_json(p)
-            if isinstance(rec, dict) and rec.get("bank_id") == bank_id and isinstance(rec.get("tensor_weights"), dict):
-                return rec
+        if d.is_dir():
+            candidates += sorted(d.glob("*.sensitivity.json"))
+    for p in candidates:
+        rec = read_json(p)
+        if isinstance(rec, dict) and rec.get("bank_id") == bank_id and isinstance(rec.get("tensor_weights"), dict):
+            return rec
     return None
