@@ -11,8 +11,12 @@ the first steps' top-20 logprobs against recompute; for kvz the TTFT split (deco
 paged cache, the rest: lookup + remaining prefill).
 
     python -m kvz.benchmarks.vllm_reuse [--quick] [--json OUT.json] [--md OUT.md] [--model DIR]
+    python -m kvz.benchmarks.vllm_reuse --rounds 3 --sizes 8192 --topk 4096 --json OUT.json --md OUT.md
 
 Needs the vLLM venv (see ``.ci/vllm.sh``). ``--quick``: one 1K prompt (CI smoke; no timing claim).
+``--rounds R``: the engines run one after another and each measures its TTFT ``R`` times (median;
+kvz's hits alternate with cold prefills in the same engine), the KL on the top ``--topk`` logprobs:
+see :mod:`kvz.benchmarks.vllm_ttft`.
 Engines are pinned to one core (``VLLM_CPU_OMP_THREADS_BIND``) so every store runs with the same
 thread count; kvz's codec runs on the same core in the engine's process.
 """
@@ -106,7 +110,7 @@ def _engine(spec: dict, root: Path, name: str, timeout: int = 3600, core: int | 
     return json.loads(out.read_text())
 
 
-def _kl(ref, got) -> float | None:
+def mean_kl(ref, got) -> float | None:
     """Mean over the steps where the greedy tokens still agree of KL(ref || got) on ref's top-k
     (renormalised on that set; a token missing from got's top-k gets got's smallest logprob)."""
     if not ref or not got:
@@ -189,7 +193,7 @@ def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None 
                    "recompute_ttft_cpu_s": round(rec.get("ttft_cpu_s", 0.0), 4) if rec else None,
                    "stored_bytes": stored, "stored_tokens": stored_tokens,
                    "raw_bytes": stored_tokens * L * 2 * H * d * 2,
-                   "kl_top20": _kl(rec["logprobs"], rr["logprobs"]) if rec else None}
+                   "kl_top20": mean_kl(rec["logprobs"], rr["logprobs"]) if rec else None}
             dl = rr.get("probe_delta", {})
             if store.startswith("kvz"):
                 row.update(decode_s=round(dl.get("decode_s", 0.0), 4), copy_s=round(dl.get("copy_s", 0.0), 4),
@@ -234,6 +238,12 @@ def main(argv=None) -> int:
     ap.add_argument("--md", dest="md_out")
     ap.add_argument("--workdir")
     ap.add_argument("--resume", action="store_true", help="reuse the engines' outputs already in --workdir")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="sequential engines, TTFT median of this many rounds (kvz.benchmarks.vllm_ttft)")
+    ap.add_argument("--recompute-rounds", type=int, default=None,
+                    help="with --rounds: rounds of the no-connector engine (default --rounds)")
+    ap.add_argument("--no-cold", action="store_true", help="with --rounds: no cold prefills between kvz's hits")
+    ap.add_argument("--topk", type=int, default=4096, help="logprobs per step for the KL (with --rounds)")
     a = ap.parse_args(argv)
     global RESUME
     RESUME = a.resume
@@ -252,11 +262,22 @@ def main(argv=None) -> int:
         if a.json_out:
             Path(a.json_out + ".partial").write_text(json.dumps(rows, indent=1) + "\n")
 
-    rows = run(sizes, stores, model, a.max_tokens, a.workdir, log=lambda m: print(m, file=sys.stderr), partial=partial)
-    note = (f"Measured with `python -m kvz.benchmarks.vllm_reuse{' --quick' if a.quick else ''}` in "
-            f"{time.perf_counter() - t0:.0f} s: vLLM 0.32 CPU, Gemma 3 270M bf16, block 128, engines pinned "
-            f"to one core, prefix caching off (all reuse through the connector).")
-    md = to_markdown(rows, note)
+    eprint = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    if a.rounds > 0:
+        from . import vllm_ttft
+
+        rows = vllm_ttft.run(sizes, stores, model, rounds=a.rounds, max_tokens=a.max_tokens, topk=a.topk,
+                             workdir=a.workdir, cold=not a.no_cold,
+                             recompute_rounds=a.recompute_rounds, log=eprint)
+        partial(rows)
+    else:
+        rows = run(sizes, stores, model, a.max_tokens, a.workdir, log=eprint, partial=partial)
+    cmd = " ".join(["python -m kvz.benchmarks.vllm_reuse"] + [Path(x).name if "/" in x else x for x in
+                                                              (argv if argv is not None else sys.argv[1:])])
+    note = (f"Measured with `{cmd}` in {time.perf_counter() - t0:.0f} s: vLLM 0.32 CPU, Gemma 3 270M bf16, "
+            f"block 128, engines pinned to one core{' and run one at a time' if a.rounds > 0 else ''}, "
+            f"prefix caching off (all reuse through the connector).")
+    md = (vllm_ttft.to_markdown if a.rounds > 0 else to_markdown)(rows, note)
     print(md)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(rows, indent=1) + "\n")

@@ -152,6 +152,10 @@ def _layer_index(name: str) -> int:
 class KvzConnector(KVConnectorBase_V1):
     """See the module docstring."""
 
+    #: seconds the scheduler side spent in store lookups (fetch + checks), summed over the instances of
+    #: this process (with the engine in-process the worker's instance and the harness can read it)
+    scheduler_timings = {"lookup_s": 0.0}
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         get = self._kv_transfer_config.get_from_extra_config
@@ -206,7 +210,9 @@ class KvzConnector(KVConnectorBase_V1):
         if cached is not None and cached[0] == num_computed_tokens:
             hit = cached[1]
         else:
+            t0 = time.perf_counter()
             hit, segs = self.store.lookup(ids, max_blocks, start_block=start)
+            KvzConnector.scheduler_timings["lookup_s"] += time.perf_counter() - t0
             self._lookups[request.request_id] = (num_computed_tokens, hit, segs)
         ext = hit * bs - num_computed_tokens
         return (ext if ext > 0 else 0), False

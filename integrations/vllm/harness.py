@@ -6,7 +6,8 @@ store is proven to work across engines)::
     python -m kvz.integrations.vllm.harness SPEC.json OUT.json
 
 SPEC: ``{"model": dir, "prompts": [[ids]], "max_tokens": 8, "logprobs": 0, "store": null | "example"
-| {kvz extra config}, "max_model_len": 2048, "block_size": 128, "dtype": "bfloat16"}``. Each prompt
+| {kvz extra config}, "max_model_len": 2048, "block_size": 128, "dtype": "bfloat16"}`` (optional:
+``"max_logprobs"``, vLLM's cap on ``logprobs`` (default 20); ``"detokenize": false``). Each prompt
 is run alone (sequentially), so its TTFT is its own. OUT: ``{"results": [{"tokens", "cached_tokens",
 "ttft_s", "logprobs"}], "connector": {...timings and counters}, "startup_s"}``.
 """
@@ -59,6 +60,7 @@ def _snapshot(conn, example_path=None) -> dict:
     out = {"runs": []}
     if conn is not None and hasattr(conn, "store"):
         out.update({k: v for k, v in conn.timings.items()})
+        out.update(getattr(type(conn), "scheduler_timings", {}))  # the scheduler's instance (same process)
         out.update({"stored_bytes": conn.store.counters["stored_bytes"], "raw_bytes": conn.store.counters["raw_bytes"],
                     "encode_s": conn.store.counters["encode_s"]})
         out["runs"] = list(conn.store.runs)
@@ -83,10 +85,12 @@ def run(spec: dict) -> dict:
     mml = int(spec.get("max_model_len", 2048))
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=mml,
               max_num_batched_tokens=mml, enforce_eager=True, enable_prefix_caching=False,
-              block_size=int(spec.get("block_size", 128)), seed=0, disable_log_stats=False, **kw)
+              block_size=int(spec.get("block_size", 128)), seed=0, disable_log_stats=False,
+              max_logprobs=int(spec.get("max_logprobs", 20)), **kw)
     startup = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 8)),
-                        logprobs=int(spec.get("logprobs", 0)) or None, ignore_eos=True)
+                        logprobs=int(spec.get("logprobs", 0)) or None, ignore_eos=True,
+                        detokenize=bool(spec.get("detokenize", True)))
     sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     results = []
     caught = []

@@ -21,6 +21,7 @@ BS = 128
 EPS = 0.02
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 1024
+LOGPROBS = 20  # vLLM's default cap: the KL below is on the recompute's top-20 (renormalised)
 A = B = C = None  # the prompts, set by the fixture (they need the model's tokenizer)
 TEXTS = Path(__file__).resolve().parents[3] / "samples" / "gemma3-270m" / "calib_texts"
 
@@ -45,7 +46,7 @@ def _aligned(n):  # what a reload of an n-token prompt may take from the store: 
 
 def _spec(tmp, name, model, prompts, store, core):
     spec = {"model": model, "prompts": prompts, "max_tokens": MAX_TOKENS, "max_model_len": MAX_MODEL_LEN,
-            "block_size": BS, "store": store}
+            "block_size": BS, "store": store, "logprobs": LOGPROBS}
     p = tmp / f"{name}.spec.json"
     p.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core))  # one thread in every engine: comparable numerics
@@ -156,6 +157,19 @@ def test_lossy_within_eps_in_engine_blocks(runs):
     assert worst > 0  # it is lossy
     r = runs["lossy_read"]["results"]
     assert r[0]["cached_tokens"] == 512
+
+
+def test_lossy_kl_against_recompute(runs):
+    """The next-token distributions of the generated steps: a lossy (eps 0.02) hit stays close to
+    the recompute (the lossless writer computed A cold), a lossless hit matches it."""
+    from kvz.benchmarks.vllm_reuse import mean_kl
+
+    ref = runs["lossless_write"]["results"][0]["logprobs"]
+    lossy = mean_kl(ref, runs["lossy_read"]["results"][0]["logprobs"])
+    lossless = mean_kl(ref, runs["lossless_read"]["results"][0]["logprobs"])
+    print(f"mean KL (top-{LOGPROBS}) vs recompute: lossy eps {EPS} {lossy:.3e}, lossless {lossless:.3e}")
+    assert lossy is not None and 0 <= lossy < 0.1, lossy
+    assert lossless is not None and lossless < 1e-3, lossless
 
 
 def test_corrupt_entry_is_a_miss_with_warning(runs):
