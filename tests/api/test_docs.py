@@ -40,3 +40,20 @@ def test_docs_name_no_bank_file_that_does_not_exist(doc):
     for path in re.findall(r"`([\w./-]+\.h5)`", text):
         if "/" in path and not path.startswith(("~", "/", "path/", "caches/")):
             assert os.path.exists(os.path.join(ROOT, path)), f"{doc} names {path}, which does not exist"
+
+
+def test_the_eps_table_is_the_measured_one():
+    """The README's 'Choosing eps' rows are benchmarks/results/eps_table.json (bits/value, mean KL, identical share)."""
+    import json
+
+    res = json.load(open(os.path.join(ROOT, "benchmarks", "results", "eps_table.json"), encoding="utf-8"))["settings"]
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text.split("## Choosing eps", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (bf16|kvz `[^`]+`|fp8 e4m3)[^|]* \| ([\d.]+) \| ([\d.e+-]+) \| (\d+)% ", section, re.M)
+    assert len(rows) == len(res) >= 8
+    for label, bpv, kl, same in rows:
+        label = label.replace("`", "")
+        name = label if label in res else next(n for n in res if n.startswith(label))
+        s = res[name]
+        assert (float(bpv), float(kl), int(same)) == (round(s["bpv"], 2), float(f"{s['kl_mean']:.2e}"),
+                                                      round(100 * s["identical_frac"])), name
