@@ -8,17 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVZ_CI_VENVS:-${TMPDIR:-/tmp}/kvz-ci-venvs}/sglang"
 
-if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
-fi
-export KVZ_REQUIRE_REDIS=1
-
-python3 -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
-$PIP install -q --upgrade pip
-$PIP install -q torch==2.13.0
-echo "torch==2.13.0" > "$VENV/kvz-constraints.txt"
+. .ci/lib.sh
+ensure_redis
+torch_venv "$VENV"
 $PIP install -q --no-deps sglang==0.5.23
 # what `import sglang.srt.mem_cache.hicache_storage` and the MHA host pool need (found one by one)
 # (the versions the adapter was tested with)
@@ -27,6 +19,6 @@ $PIP install -q -c "$VENV/kvz-constraints.txt" orjson==3.13.0 psutil==7.2.2 pyba
     aiohttp==3.14.5 transformers==5.24.0 dill==0.4.1 apache-tvm-ffi==0.1.15.post2 sentencepiece==0.2.3 \
     compressed-tensors==0.20.1 gguf==0.19.0
 $PIP install -q -c "$VENV/kvz-constraints.txt" -e ".[store,test]"
-"$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+check_torch "$VENV"
 
 OPENBLAS_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/sglang_engine

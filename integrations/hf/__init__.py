@@ -16,7 +16,7 @@ Names are imported lazily (PEP 562): importing this package loads neither torch 
 """
 from __future__ import annotations
 
-import importlib
+from kvz.integrations import lazy_exports
 
 _MODULES = {
     "bridge": ("RecordingCache", "capture_prefill", "save_kv", "load_cache", "cache_from_kv", "new_cache",
@@ -24,8 +24,8 @@ _MODULES = {
                "forward_logits", "last_kv"),
     "caches": ("recording_cache_cls", "ScatterCache", "BufferedCache"),
     "capture": ("FORMAT_NAME", "FORMAT_VERSION", "DTYPES", "INSTALL_HINT", "require_modules", "load_gguf",
-                "load_model", "tokenize", "capture_model", "record_kv", "cache_metadata", "write_cache_atomic",
-                "safetensors_chunks"),
+                "load_model", "tokenize", "capture_model", "record_kv", "cache_metadata", "save_model_dir",
+                "write_cache_atomic", "safetensors_chunks"),
     "gemma": ("MODEL_ID", "model_dir", "load_gemma", "layer_info"),
     "rope": ("UnsupportedRope", "rope_spec_from_model", "rope_spec_from_config", "prefill_chunk",
              "record_rope_calls", "decoder_of", "layer_types_of", "rope_thetas", "takes_layer_type"),
@@ -36,13 +36,7 @@ _EXPORTS["capture_gemma"] = ("kvz.integrations.hf.gemma", "capture")
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    target = _EXPORTS.get(name)
-    if target is None:
-        raise AttributeError(f"module 'kvz.integrations.hf' has no attribute {name!r}")
-    value = getattr(importlib.import_module(target[0]), target[1])
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__():

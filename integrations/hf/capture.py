@@ -204,6 +204,39 @@ def safetensors_chunks(tensors: dict, metadata: dict[str, str]):
         yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def save_model_dir(model, tokenizer, target: str | os.PathLike, marker: str,
+                   marker_name: str = "KVZ_SOURCE.json") -> Path:
+    """Write ``model`` (config with its architecture, generation config, weights as safetensors
+    without the tied ``lm_head.weight``) and ``tokenizer`` as a Hugging Face model directory at
+    ``target``, atomically: built in a sibling temp directory that replaces ``target`` only when
+    complete, with ``marker`` (e.g. the source's hash as JSON) in ``marker_name`` last."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=target.parent))
+    try:
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+                 if k != "lm_head.weight"}  # tied; restored by tie_weights()
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        model.config.architectures = [type(model).__name__]
+        model.config.to_json_file(str(tmp / "config.json"))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / marker_name).write_text(marker)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
 def write_cache_atomic(tensors: dict, metadata: dict[str, str], out_path: str | os.PathLike) -> Path:
     """Write ``tensors`` (torch) with ``metadata`` to ``out_path`` atomically (kvz's
     :func:`alignpred.atomic_write`: temp file in the same folder, fsync, rename)."""

@@ -28,7 +28,6 @@ import functools
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -92,30 +91,9 @@ def _load_from_gguf(directory: Path):
 
 def _save_dequantized(model, tokenizer, target: Path) -> None:
     """Write config + float32 weights + tokenizer to ``target`` (atomically)."""
-    from safetensors.torch import save_file
+    from kvz.integrations.hf.capture import save_model_dir
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".dequant-", dir=target.parent))
-    try:
-        state = {
-            k: v.detach().contiguous()
-            for k, v in model.state_dict().items()
-            if k != "lm_head.weight"  # tied; restored by tie_weights()
-        }
-        save_file(state, str(tmp / "model.safetensors"))
-        model.config.to_json_file(str(tmp / "config.json"))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / "KVZ_SOURCE.json").write_text(_dequant_marker())
-        if target.exists():
-            import shutil
-
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    save_model_dir(model, tokenizer, target, _dequant_marker())
 
 
 def _load_dequantized(source: Path):

@@ -12,7 +12,7 @@ Names are imported lazily, so ``import kvz.integrations.lmcache`` does not impor
 """
 from __future__ import annotations
 
-import importlib
+from kvz.integrations import lazy_exports
 
 _EXPORTS = {
     "KvzStoragePlugin": ".storage_plugin",
@@ -26,6 +26,8 @@ _EXPORTS = {
     "model_metadata": ".kvcodec",
     "backend_from_url": ".kvcodec",
     "as_numpy": ".kvcodec",
+    "as_bool": ".kvcodec",
+    "codec_from_options": ".kvcodec",
     "kv_pairs": "._common",
     "write_pairs": "._common",
     "find_position_offset": ".position",
@@ -35,8 +37,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(mod, __name__), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -8,9 +8,7 @@ import warnings
 
 import numpy as np
 
-from .kvcodec import KvzChunkCodec, as_numpy, metadata_from_file, model_metadata
-
-CODEC_KEYS = ("bank", "eps", "scope", "lossless", "metadata", "metadata_from", "position", "max_positions", "threads")
+from .kvcodec import KvzChunkCodec, as_bool, as_numpy, backend_from_url
 
 
 class KvzLMCacheWarning(RuntimeWarning):
@@ -25,12 +23,6 @@ def warn(msg: str) -> None:
         init_logger("kvz.integrations.lmcache").warning(msg)
     except Exception:  # pragma: no cover - logging must never fail a request
         pass
-
-
-def _bool(v) -> bool:
-    if isinstance(v, str):
-        return v.strip().lower() in ("1", "true", "yes", "on")
-    return bool(v)
 
 
 def plugin_name(config, kind: str, cls) -> str:
@@ -52,22 +44,6 @@ def options(config, prefix: str) -> dict:
     out = {k[len("kvz."):]: v for k, v in extra.items() if k.startswith("kvz.")}
     out.update({k[len(prefix) + 1:]: v for k, v in extra.items() if k.startswith(prefix + ".")})
     return out
-
-
-def codec_from_options(opts: dict, *, default_step: int | None = None) -> KvzChunkCodec:
-    meta = opts.get("metadata")
-    if meta is None and opts.get("metadata_from"):
-        meta = metadata_from_file(opts["metadata_from"])
-    if meta is None:
-        raise ValueError("kvz needs the model's cache metadata: set <prefix>.metadata (JSON with rope_theta, "
-                         "rope_pairing, keys_roped, layer_types, model) or <prefix>.metadata_from (a kvz-cache file)")
-    threads = opts.get("threads", 1)
-    return KvzChunkCodec(bank=opts.get("bank", "gemma-3-270m"), eps=float(opts.get("eps", 0.0267)),
-                         scope=str(opts.get("scope", "tensor")), lossless=_bool(opts.get("lossless", False)),
-                         cache_metadata=model_metadata(meta), position=str(opts.get("position", "search")),
-                         search_step=int(opts.get("search_step", default_step or 1)),
-                         max_positions=int(opts.get("max_positions", 8192)),
-                         threads=None if threads in (None, "auto") else int(threads))
 
 
 # ---------------------------------------------------------------------------- chunk tensors
@@ -101,10 +77,20 @@ def num_heads_of(metadata) -> int:
     return int(metadata.kv_shape[3])
 
 
+def backend_from_options(opts: dict, key: str, prefix: str, hint: str):
+    """The chunk-store backend named by ``opts[key]`` (a URL or directory, see
+    :func:`~.kvcodec.backend_from_url`), with the byte budget ``max_size_gb`` if set."""
+    url = opts.get(key)
+    if not url:
+        raise ValueError(f"set {prefix}.{key} ({hint})")
+    gb = opts.get("max_size_gb")
+    return backend_from_url(str(url), int(float(gb) * (1 << 30)) if gb else None)
+
+
 def start_warmup(codec: KvzChunkCodec, metadata, opts: dict, who: str) -> None:
     """Compile the codec's kernels in the background at start-up (``<prefix>.warmup: false`` turns
     it off): a cold numba compile takes longer than LMCache waits for a read (10 s)."""
-    if not _bool(opts.get("warmup", True)):
+    if not as_bool(opts.get("warmup", True)):
         return
     L, _, _, H, D = (int(x) for x in metadata.kv_shape)
     dtype = str(getattr(metadata, "kv_dtype", "bfloat16")).replace("torch.", "")

@@ -26,9 +26,9 @@ import asyncio
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from . import _common as C
-from .kvcodec import backend_from_url
+from .kvcodec import codec_from_options
 
-__all__ = ["KvzRemoteConnector", "backend_from_url"]
+__all__ = ["KvzRemoteConnector"]
 
 
 def _release_late_result(fut) -> None:
@@ -48,14 +48,11 @@ class KvzRemoteConnector(RemoteConnector):
         self.name = C.plugin_name(config, "remote_storage_plugin", type(self))
         opts = C.options(config, f"remote_storage_plugin.{self.name}")
         self.chunk_size = int(meta.chunk_size)
-        self.codec = C.codec_from_options(opts, default_step=self.chunk_size)
+        self.codec = codec_from_options(opts, default_step=self.chunk_size)
         self.num_heads = C.num_heads_of(meta)
         if backend is None:
-            url = opts.get("url")
-            if not url:
-                raise ValueError(f"set remote_storage_plugin.{self.name}.url (redis://host:port/db or a directory)")
-            gb = opts.get("max_size_gb")
-            backend = backend_from_url(str(url), int(float(gb) * (1 << 30)) if gb else None)
+            backend = C.backend_from_options(opts, "url", f"remote_storage_plugin.{self.name}",
+                                             "redis://host:port/db or a directory")
         self.backend = backend
         self._reader = C.BackendReader(backend, f"kvz remote connector {self.name}")
         C.start_warmup(self.codec, meta, opts, f"kvz remote connector {self.name}")

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["KvzChunkCodec", "as_numpy", "backend_from_url", "metadata_from_file", "model_metadata", "MODEL_FIELDS",
-           "nrmse"]
+__all__ = ["KvzChunkCodec", "as_bool", "as_numpy", "backend_from_url", "codec_from_options", "metadata_from_file",
+           "model_metadata", "MODEL_FIELDS", "nrmse"]
 
 # The cache metadata fields that describe the model (not one cache): what an adapter configures once.
 MODEL_FIELDS = ("model", "layer_types", "rope_theta", "rope_pairing", "keys_roped", "rope", "rotary_dim",
@@ -49,6 +49,11 @@ def metadata_from_file(path) -> dict:
     from alignpred import load_cache
 
     return model_metadata(load_cache(path).metadata)
+
+
+def as_bool(v) -> bool:
+    """A configuration flag: ``true/1/yes/on`` (any case) in a string, else Python truth."""
+    return v.strip().lower() in ("1", "true", "yes", "on") if isinstance(v, str) else bool(v)
 
 
 def as_numpy(x) -> np.ndarray:
@@ -239,3 +244,22 @@ class KvzChunkCodec:
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["decoded"] += 1
         return dict(r.header.get("source_metadata", {}))
+
+
+def codec_from_options(opts: dict, *, default_step: int | None = None) -> KvzChunkCodec:
+    """A :class:`KvzChunkCodec` from an engine's string options (``bank``, ``eps``, ``scope``,
+    ``lossless``, ``metadata`` (dict or JSON) or ``metadata_from`` (a kvz-cache file), ``position``,
+    ``search_step``, ``max_positions``, ``threads``), with the adapters' defaults."""
+    meta = opts.get("metadata")
+    if meta is None and opts.get("metadata_from"):
+        meta = metadata_from_file(opts["metadata_from"])
+    if meta is None:
+        raise ValueError("kvz needs the model's cache metadata: set <prefix>.metadata (JSON with rope_theta, "
+                         "rope_pairing, keys_roped, layer_types, model) or <prefix>.metadata_from (a kvz-cache file)")
+    threads = opts.get("threads", 1)
+    return KvzChunkCodec(bank=opts.get("bank", "gemma-3-270m"), eps=float(opts.get("eps", 0.0267)),
+                         scope=str(opts.get("scope", "tensor")), lossless=as_bool(opts.get("lossless", False)),
+                         cache_metadata=model_metadata(meta), position=str(opts.get("position", "search")),
+                         search_step=int(opts.get("search_step", default_step or 1)),
+                         max_positions=int(opts.get("max_positions", 8192)),
+                         threads=None if threads in (None, "auto") else int(threads))

@@ -33,6 +33,7 @@ from lmcache.v1.distributed.serde.base import Deserializer, Serializer
 from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
 
 from . import _common as C
+from .kvcodec import as_bool, codec_from_options
 
 __all__ = ["KvzSerializer", "KvzDeserializer", "create_kvz_serde", "check_adapter_config", "SERDE_NAME"]
 
@@ -56,14 +57,14 @@ class _Base:
     def __init__(self, opts: dict):
         self.opts = dict(opts)
         self.chunk_size = int(self.opts.get("chunk_size", 256))
-        self.codec = C.codec_from_options(self.opts, default_step=self.chunk_size)
+        self.codec = codec_from_options(self.opts, default_step=self.chunk_size)
         nh = self.opts.get("num_heads")
         if nh is None:
             from .position import _bank
 
             nh = _bank(self.codec.bank).signature.get("kv_heads", 1)
         self.num_heads = int(nh)
-        self.pad = C._bool(self.opts.get("pad_to_estimate", False))
+        self.pad = as_bool(self.opts.get("pad_to_estimate", False))
         self.size_factor = float(self.opts.get("size_factor", 1.0))
 
 
@@ -129,7 +130,7 @@ def check_adapter_config(adapter_config) -> None:
     if serde is None or getattr(serde, "type", None) != SERDE_NAME:
         return
     fixed = type(adapter_config).__name__ in ("FSL2AdapterConfig",)
-    if fixed and not C._bool(serde.kwargs.get("pad_to_estimate", False)):
+    if fixed and not as_bool(serde.kwargs.get("pad_to_estimate", False)):
         raise ValueError(f"{type(adapter_config).__name__}: LMCache's FS L2 adapter reads back exactly "
                          "estimate_serialized_size bytes, so it cannot hold kvz's variable-size payloads (every "
                          "load would fail 'Incomplete read'); set serde kwargs pad_to_estimate: true with a "

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from . import _common as C
+from .kvcodec import codec_from_options
 
 __all__ = ["KvzStoragePlugin"]
 
@@ -45,16 +46,10 @@ class KvzStoragePlugin(StoragePluginInterface):
             raise ValueError("KvzStoragePlugin stores KV_2LTD chunks: MLA and layerwise mode are not supported")
         self.name = C.plugin_name(config, "storage_plugin", type(self))
         opts = C.options(config, f"storage_plugin.{self.name}")
-        self.codec = C.codec_from_options(opts, default_step=int(config.chunk_size))
+        self.codec = codec_from_options(opts, default_step=int(config.chunk_size))
         self.num_heads = C.num_heads_of(metadata)
         if backend is None:
-            from kvz.integrations.kvstore import DirectoryBackend
-
-            path = opts.get("path")
-            if not path:
-                raise ValueError(f"set storage_plugin.{self.name}.path (the kvz chunk directory)")
-            gb = opts.get("max_size_gb")
-            backend = DirectoryBackend(path, budget_bytes=int(float(gb) * (1 << 30)) if gb else None)
+            backend = C.backend_from_options(opts, "path", f"storage_plugin.{self.name}", "the kvz chunk directory")
         self.backend = backend
         self._reader = C.BackendReader(backend, "kvz storage plugin")
         self._lock = threading.Lock()

@@ -5,15 +5,11 @@ store's backends) for the four MHA host-pool page layouts, loaded as SGLang's ``
 does not import SGLang)."""
 from __future__ import annotations
 
-import importlib
+from kvz.integrations import lazy_exports
 
 _EXPORTS = {"KvzHiCacheStorage": ".backend", "KvzHiCacheWarning": ".backend", "page_to_pairs": ".backend",
             "pairs_to_page": ".backend", "LAYOUTS": ".backend"}
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(mod, __name__), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -24,7 +24,6 @@ entry that is corrupt is a miss and a :class:`KvzHiCacheWarning`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 
@@ -33,11 +32,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvz.integrations.lmcache import (  # the engine-free chunk codec (imports no LMCache)
-    KvzChunkCodec,
     as_numpy,
     backend_from_url,
-    metadata_from_file,
-    model_metadata,
+    codec_from_options,
 )
 
 __all__ = ["KvzHiCacheStorage", "KvzHiCacheWarning", "page_to_pairs", "pairs_to_page", "LAYOUTS"]
@@ -53,10 +50,6 @@ class KvzHiCacheWarning(RuntimeWarning):
 def _warn(msg: str) -> None:
     warnings.warn(msg, KvzHiCacheWarning, stacklevel=3)
     logger.warning(msg)
-
-
-def _bool(v) -> bool:
-    return v.strip().lower() in ("1", "true", "yes", "on") if isinstance(v, str) else bool(v)
 
 
 # ---------------------------------------------------------------------------- page layouts
@@ -117,18 +110,13 @@ class KvzHiCacheStorage(HiCacheStorage):
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         if getattr(storage_config, "is_mla_model", False):
             raise ValueError("KvzHiCacheStorage codes MHA pages; MLA models are not supported")
-        meta = extra.get("kvz_metadata")
-        if meta is None and extra.get("kvz_metadata_from"):
-            meta = metadata_from_file(extra["kvz_metadata_from"])
-        if meta is None:
-            raise ValueError("KvzHiCacheStorage needs the model's cache metadata: set kvz_metadata (JSON with "
-                             "rope_theta, rope_pairing, keys_roped, ...) or kvz_metadata_from (a kvz-cache file)")
-        self.codec = KvzChunkCodec(bank=extra.get("kvz_bank", "gemma-3-270m"), eps=float(extra.get("kvz_eps", 0.0267)),
-                                   scope=str(extra.get("kvz_scope", "tensor")),
-                                   lossless=_bool(extra.get("kvz_lossless", False)),
-                                   cache_metadata=model_metadata(json.loads(meta) if isinstance(meta, str) else meta),
-                                   position=str(extra.get("kvz_position", "search")),
-                                   max_positions=int(extra.get("kvz_max_positions", 8192)), threads=1)
+        opts = {k[len("kvz_"):]: v for k, v in extra.items() if k.startswith("kvz_")}
+        opts.setdefault("threads", 1)
+        try:
+            self.codec = codec_from_options(opts)
+        except ValueError as e:
+            raise ValueError(f"KvzHiCacheStorage: {e} (HiCache extra config keys kvz_metadata / "
+                             "kvz_metadata_from)") from None
         if backend is None:
             url = extra.get("kvz_url")
             if not url:

