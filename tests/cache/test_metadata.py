@@ -96,6 +96,7 @@ _fields = st.sampled_from(["model", "layer_types", "rope_theta", "rope_pairing",
 _values = st.one_of(_json_values.map(lambda v: json.dumps(v, allow_nan=True)), st.text(max_size=30), _json_values)
 
 
+@pytest.mark.slow  # 400 fuzzed metadata dicts through the codec
 @settings(max_examples=400, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(_fields, _values, max_size=6))
 def test_metadata_fuzz_only_kvz_errors(meta):

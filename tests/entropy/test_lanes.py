@@ -312,6 +312,7 @@ def _host_isa() -> str:
     return lanes_simd.isa_of(",".join(("+" if v else "-") + k for k, v in f.items()))
 
 
+@pytest.mark.slow  # a subprocess per target ISA, compiling cold
 @pytest.mark.parametrize("target", ["avx2", "none"])
 def test_forced_targets_decode_the_same_bits(target):
     if target == "avx2" and _host_isa() == "none":
@@ -364,6 +365,7 @@ print(lanes_simd.target_isa(), sum("vpgatherdd" in ln and "%k" in ln for ln in a
 """
 
 
+@pytest.mark.slow  # compiles the AVX-512 kernel in a subprocess
 def test_avx512_target_compiles_to_masked_gathers(tmp_path):
     """The AVX-512 flavour is generated (not run: the machine may lack AVX-512) with mask-register
     gathers."""

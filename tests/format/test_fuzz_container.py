@@ -157,6 +157,7 @@ def test_truncate_at_every_offset(files, work, which):
         assert _check(work, raw[:n], bank) != "ok", n
 
 
+@pytest.mark.slow  # every byte of two files damaged and decoded; test_container's byte-flip test stays fast
 @pytest.mark.parametrize("which", ["ext", "emb"])
 def test_every_byte_damaged(files, work, which):
     """Each byte XORed with a random non-zero mask (single-bit flips for a third of them):

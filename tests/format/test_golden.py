@@ -206,6 +206,7 @@ def test_decode_is_the_same_for_any_thread_count(name):
             assert np.array_equal(arr.view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.slow  # fresh processes under other SIMD settings, compiling cold (~40 s CPU)
 def test_decode_is_the_same_in_a_fresh_process():
     """Another process (fresh numba/OpenBLAS state, default thread settings) decodes every 1.1
     vector to the expected bits."""

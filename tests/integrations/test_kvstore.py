@@ -364,6 +364,7 @@ def _reader(spec, rid, go, stop, out):
         out.put(("reader", rid, None, traceback.format_exc()))
 
 
+@pytest.mark.slow  # many writer/reader processes for seconds; CI's slow pass runs it
 def test_concurrent_writers_and_readers(h):
     """4 writer processes put overlapping keys under a tight budget (evictions all the time) while
     2 reader processes read: every hit is exactly a blob that some writer put for that key, no

@@ -83,6 +83,7 @@ def _chi2_ok(counts, probs, alpha=1e-4):
     return chisquare(counts[keep], probs[keep] * n).pvalue > alpha
 
 
+@pytest.mark.slow  # a chi-square test over many sampled drafts
 def test_speculative_accept_chi_square():
     """Generate 4 tokens with rounds of x = 3 drafts (drafter and verifier conditional on the last
     token); the 4-token sequences must follow the verifier's chain."""
@@ -152,6 +153,7 @@ def TableLM(tables):  # noqa: N802 - reads like the class it builds
 
 
 @needs_torch
+@pytest.mark.slow  # exact-distribution check of the sampling loop over many runs
 @pytest.mark.parametrize("verify", ["batched", "stepwise"])
 def test_loop_sampling_is_exact(verify):
     rng = np.random.default_rng(5)
@@ -252,7 +254,8 @@ def _pager_full(tensors):
 
 
 @needs_torch
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# one family in the default run, every family in CI's slow pass
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "llama" else pytest.mark.slow) for f in sorted(FAMILIES)])
 def test_greedy_identical_on_every_family(family):
     model = tiny_model(family)
     ids, ctx_kv, tensors = _context(model, 40)

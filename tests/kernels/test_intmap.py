@@ -231,6 +231,7 @@ def test_threads_give_same_bits():
     assert res == [h0] * 3
 
 
+@pytest.mark.slow  # subprocesses that compile the kernels cold (~20 s CPU); CI's slow pass runs it
 def test_same_bits_in_other_processes(tmp_path):
     """Fresh processes give the same bits (also for the fused post-processing kernel): one with
     NUMBA_NUM_THREADS / OPENBLAS_NUM_THREADS = 2, and one compiled for the generic x86-64 target
