@@ -5,7 +5,7 @@
     from kvz.integrations.chunkstore import ChunkStore, ReuseEngine
     from kvz.integrations.kvstore import DirectoryBackend, RedisBackend
     store = ChunkStore.for_model(model, DirectoryBackend("/var/cache/kvz"), eps=0.02, bank="gemma-3-270m")
-    engine = ReuseEngine(model, store, repair="seam", R=32)
+    engine = ReuseEngine(model, store)  # repair: the measured default (seam + deviation-guided)
     tokens, res = engine.generate(ids, max_new_tokens=32, boundaries=[len(system), len(system) + len(doc)])
 
 One module per concept, each building on the ones before it:
@@ -18,12 +18,31 @@ One module per concept, each building on the ones before it:
   :class:`~kvz.integrations.kvstore.ChunkBackend`, lookup of prefix then content hits;
 * :mod:`~kvz.integrations.chunkstore.engine` — :class:`ReuseEngine`: a transformers model's prefill
   from the store (re-rotation, seam / blend repair, refresh, storing), through
-  :mod:`kvz.integrations.hf`.
+  :mod:`kvz.integrations.hf`;
+* :mod:`~kvz.integrations.chunkstore.repair` — which reused positions a prefill recomputes (seams
+  derived from the chunk layout, probe-layer deviation, deviation-guided and CacheBlend-style selection).
 """
-from kvz.integrations.chunkstore.engine import PrefillResult, ReuseEngine
-from kvz.integrations.chunkstore.keys import CHUNK_TOKENS, TOKENS_META, Chunk, split_chunks, tokens_digest
+from kvz.integrations.chunkstore.engine import (
+    DEFAULT_MAX_FRAC,
+    DEFAULT_PROBE_LAYER,
+    DEFAULT_R,
+    DEFAULT_REPAIR,
+    DEFAULT_THRESHOLD,
+    PrefillResult,
+    ReuseEngine,
+)
+from kvz.integrations.chunkstore.keys import (
+    CHUNK_TOKENS,
+    TOKENS_META,
+    Chunk,
+    separator_boundaries,
+    split_chunks,
+    tokens_digest,
+)
+from kvz.integrations.chunkstore.repair import REPAIRS
 from kvz.integrations.chunkstore.serde import DEFAULT_EPS, KvzSerde, RawSerde
 from kvz.integrations.chunkstore.store import ChunkStore, ChunkStoreWarning, Hit
 
 __all__ = ["TOKENS_META", "ChunkStore", "ReuseEngine", "Chunk", "Hit", "PrefillResult", "split_chunks", "tokens_digest",
-           "ChunkStoreWarning", "CHUNK_TOKENS", "DEFAULT_EPS", "KvzSerde", "RawSerde"]
+           "ChunkStoreWarning", "CHUNK_TOKENS", "DEFAULT_EPS", "KvzSerde", "RawSerde", "separator_boundaries",
+           "REPAIRS", "DEFAULT_REPAIR", "DEFAULT_R", "DEFAULT_THRESHOLD", "DEFAULT_MAX_FRAC", "DEFAULT_PROBE_LAYER"]

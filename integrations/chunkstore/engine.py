@@ -3,7 +3,8 @@
 ::
 
     from kvz.integrations.chunkstore import ChunkStore, ReuseEngine
-    engine = ReuseEngine(model, store, repair="seam", R=32)
+    engine = ReuseEngine(model, store)  # the measured defaults: repair "seam+guided", R = 32, threshold 0.1
+    # boundaries ON the separator before each document (and before the question), see below
     tokens, res = engine.generate(ids, max_new_tokens=32, boundaries=[len(system), len(system) + len(doc)])
 
 **Prefill.** The prompt's chunks are looked up (:meth:`ChunkStore.lookup`). Hits are decoded with
@@ -12,17 +13,34 @@ have their keys re-rotated from their old absolute positions to the new ones wit
 RoPE (:func:`kvz.integrations.hf.rope_spec_from_model`: per-layer frequencies and scaling,
 ``RopeTable.apply`` inverse then forward).
 
-**Repair** of content hits (their KV still reflects the *old* preceding context):
-``seam`` recomputes the first ``R`` tokens after each seam (SelectiveRecompute); ``blend`` runs a
-probe pass through the first ``probe_layer + 1`` layers over every non-prefix position (which makes
-those layers exact), ranks content-hit tokens by the relative deviation of their layer-``probe_layer``
-K/V, and recomputes the top ``blend_ratio`` fraction (CacheBlend-style); ``seam+blend`` does both.
+**Repair** of content hits (their KV still reflects the *old* preceding context;
+:mod:`~kvz.integrations.chunkstore.repair`): ``seam`` recomputes the first ``R`` tokens after each
+seam (a content hit that does not continue the stored text before it: seams are derived from the
+chunk layout); ``guided`` (deviation-guided) runs a probe pass through the first ``probe_layer + 1``
+layers over the non-exact positions (which makes those layers exact), measures each content-hit
+token's relative K/V deviation at layer ``probe_layer`` and recomputes every token above
+``threshold`` (at most ``max_frac`` of them); ``blend`` recomputes a fixed top ``blend_ratio``
+fraction by the same deviation (CacheBlend-style); ``seam+guided`` / ``seam+blend`` do both.
+The defaults (:data:`DEFAULT_REPAIR` ...) are the measured best of
+``benchmarks/reuse_repair.py`` (``benchmarks/results/reuse-repair.md``).
 Recomputed tokens attend to the full assembled context: one forward over the scattered positions
 with an explicit mask per layer type (causal, sliding window), whose cache writes their fresh K/V
 into the buffers in place (:func:`kvz.integrations.hf.ScatterCache`). When the positions to compute
 are a suffix (pure prefix reuse, or a miss) the ordinary cache path is used
 (:func:`kvz.integrations.hf.BufferedCache`), so prefix reuse from a lossless store is the model's
 own chunked prefill.
+
+**Boundaries: where to put them.** A chunk's content key is its token ids, so a document is reused
+wherever it lands only if it is cut the same way every time: put a boundary at the start of every
+piece that can recur or move (each retrieved document, tool output, the question), *on the
+separator that leads it* (``"\n\n"``, ``"Document:"``) rather than on its first token, and lead every
+piece with the same separator. The chunk then starts with the same separator tokens wherever it
+lands: the tokens right after a seam, the most perturbed, are separator tokens that the seam repair
+recomputes, and the document's own tokens keep their stored neighbours. With no boundaries, an
+engine given ``separators`` (token ids, e.g. the tokenizer's ``"\n\n"``) derives them on each
+separator (:func:`~kvz.integrations.chunkstore.keys.separator_boundaries`, pieces of at least
+``min_segment`` tokens); without either, chunks are fixed ``chunk_tokens`` pieces from position 0
+and only an exact prefix (or text at the same offset) is reused.
 
 **Storing**: after a prefill, every chunk whose positions were computed (not served from the store)
 is encoded once, for all layers at once (the codec's inter-layer maps read earlier layers).
@@ -46,10 +64,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvz.integrations.chunkstore.keys import TOKENS_META, tokens_digest
+from kvz.integrations.chunkstore.keys import TOKENS_META, separator_boundaries, tokens_digest
+from kvz.integrations.chunkstore.repair import REPAIRS, blend_select, guided_select, probe_deviation, seam_mask
 from kvz.integrations.chunkstore.store import ChunkStore, ChunkStoreWarning
 
-__all__ = ["ReuseEngine", "PrefillResult"]
+__all__ = ["ReuseEngine", "PrefillResult", "DEFAULT_REPAIR", "DEFAULT_R", "DEFAULT_THRESHOLD", "DEFAULT_MAX_FRAC",
+           "DEFAULT_PROBE_LAYER"]
+
+# the measured best of benchmarks/reuse_repair.py (benchmarks/results/reuse-repair.md)
+DEFAULT_REPAIR = "seam+guided"
+DEFAULT_R = 32
+DEFAULT_THRESHOLD = 0.1
+DEFAULT_MAX_FRAC = 0.3
+DEFAULT_PROBE_LAYER = 1
 
 
 @dataclass
@@ -71,25 +98,31 @@ class ReuseEngine:
     """Prefill (and generate) with a :class:`ChunkStore`: reuse stored chunks, repair, store the rest.
 
     ``reuse``: ``"none"`` (full recompute), ``"prefix"`` (exact prefix hits only) or ``"content"``
-    (prefix, then content hits with repair). ``repair``: ``"seam"``, ``"blend"``, ``"seam+blend"`` or
-    ``"none"``; ``R`` tokens after each seam; ``blend_ratio`` of content-hit tokens by probe deviation
-    at ``probe_layer``. ``store_new``: encode and store computed chunks after the prefill (after the
+    (prefix, then content hits with repair). ``repair``: one of :data:`REPAIRS` (default
+    :data:`DEFAULT_REPAIR`, the measured best); ``R`` tokens after each seam; ``threshold``: recompute
+    content-hit tokens whose probe deviation at ``probe_layer`` exceeds it (``guided``, at most
+    ``max_frac`` of them); ``blend_ratio``: the top fraction by that deviation (``blend``).
+    ``separators``: token ids to derive boundaries on when the caller gives none (``min_segment``
+    tokens apart at least). ``store_new``: encode and store computed chunks after the prefill (after the
     first token); ``refresh_after``: before storing, recompute the approximate (content-served) part
     exactly, so what is stored is always in-context KV and a repeated prefix hits exactly."""
 
-    def __init__(self, model, store: ChunkStore | None, *, reuse: str = "content", repair: str = "seam",
-                 R: int = 32, blend_ratio: float = 0.1, probe_layer: int = 1, store_new: bool = True,
-                 refresh_after: bool = True):
+    def __init__(self, model, store: ChunkStore | None, *, reuse: str = "content", repair: str = DEFAULT_REPAIR,
+                 R: int = DEFAULT_R, blend_ratio: float = 0.1, threshold: float = DEFAULT_THRESHOLD,
+                 max_frac: float = DEFAULT_MAX_FRAC, probe_layer: int = DEFAULT_PROBE_LAYER,
+                 separators=(), min_segment: int = 32, store_new: bool = True, refresh_after: bool = True):
         from kvz.integrations.hf import cache_kwarg, decoder_of, kv_shape, text_config
 
         if reuse not in ("none", "prefix", "content"):
             raise ValueError("reuse must be none, prefix or content")
-        if repair not in ("none", "seam", "blend", "seam+blend"):
-            raise ValueError("repair must be none, seam, blend or seam+blend")
+        if repair not in REPAIRS:
+            raise ValueError(f"repair must be one of {REPAIRS}")
         self.model = model
         self.store = store
         self.reuse, self.repair, self.R = reuse, repair, int(R)
         self.blend_ratio, self.probe_layer = float(blend_ratio), int(probe_layer)
+        self.threshold, self.max_frac = float(threshold), float(max_frac)
+        self.separators, self.min_segment = frozenset(int(t) for t in separators), int(min_segment)
         self.store_new = store_new
         self.refresh_after = refresh_after
         self.cfg = text_config(model)
@@ -151,7 +184,8 @@ class ReuseEngine:
 
     # -- prefill -----------------------------------------------------------------------------------
     def prefill(self, token_ids, boundaries=(), *, reuse: str | None = None, repair: str | None = None,
-                R: int | None = None, blend_ratio: float | None = None) -> PrefillResult:
+                R: int | None = None, blend_ratio: float | None = None, threshold: float | None = None,
+                max_frac: float | None = None) -> PrefillResult:
         """Assemble the prompt's KV (hits decoded into buffers, content hits re-rotated and repaired,
         the rest computed) and return the last position's logits and a cache to continue from."""
         import torch
@@ -162,6 +196,8 @@ class ReuseEngine:
         repair = self.repair if repair is None else repair
         R = self.R if R is None else int(R)
         ratio = self.blend_ratio if blend_ratio is None else float(blend_ratio)
+        tau = self.threshold if threshold is None else float(threshold)
+        max_frac = self.max_frac if max_frac is None else float(max_frac)
         ids = [int(t) for t in token_ids]
         T = len(ids)
         if T < 1:
@@ -176,6 +212,8 @@ class ReuseEngine:
         content_pos = np.zeros(T, bool)
         chunks, hits = [], []
         if reuse != "none" and self.store is not None:
+            if not len(boundaries) and self.separators:
+                boundaries = separator_boundaries(ids, self.separators, self.min_segment)
             chunks = self.store.chunks(ids, boundaries)
             hits = self.store.lookup(ids, chunks, content=reuse == "content", usable_end=T - 1)
             st["lookup_s"] = time.perf_counter() - t0
@@ -205,13 +243,15 @@ class ReuseEngine:
         compute[T - 1] = True
         if content_pos.any():
             if "seam" in repair and R > 0:
-                for h in hits:
-                    if h.kind == "content":
-                        a, b = h.chunk.start, h.chunk.end
-                        compute[a:min(b, a + R)] = True
-            if "blend" in repair and ratio > 0:
+                compute |= seam_mask(hits, T, R) & content_pos
+            if "blend" in repair or "guided" in repair:
                 t2 = time.perf_counter()
-                sel = self._blend_select(ids, K, V, exact, content_pos & ~compute, ratio)
+                cand, dev = probe_deviation(self, ids, K, V, exact, content_pos & ~compute)
+                self.last_deviation = (cand, dev)
+                if "blend" in repair:
+                    sel = blend_select(cand, dev, ratio) if ratio > 0 else cand[:0]
+                else:
+                    sel = guided_select(cand, dev, tau, max_frac)
                 compute[sel] = True
                 st["probe_s"] = time.perf_counter() - t2
         t3 = time.perf_counter()
@@ -258,37 +298,6 @@ class ReuseEngine:
                 continue
             x = K[i][0, :, a:b].numpy()
             x[...] = t.apply(t.apply(x, src, inverse=True), a)
-
-    def _blend_select(self, ids, K, V, exact, candidates, ratio):
-        """CacheBlend-style: probe layers 0..P over every non-exact position, rank candidate positions
-        by the relative deviation of their layer-P K/V from the stored ones, return the top ``ratio``."""
-        P = min(self.probe_layer, self.n_layers - 1)
-        cand = np.nonzero(candidates)[0]
-        if not len(cand):
-            return cand
-        k_old = K[P][0][:, cand].clone()
-        v_old = V[P][0][:, cand].clone()
-        T = len(ids)
-        run = 0
-        while run < T and exact[run]:
-            run += 1
-        import torch
-
-        with torch.inference_mode():
-            self._probe(ids, list(range(run, T)), K, V)
-        k_new = K[P][0][:, cand]
-        v_new = V[P][0][:, cand]
-
-        def rel(new, old):
-            num = (new - old).float().pow(2).sum(dim=(0, 2))
-            den = new.float().pow(2).sum(dim=(0, 2)).clamp_min(1e-30)
-            return (num / den).sqrt()
-
-        dev = (rel(k_new, k_old) + rel(v_new, v_old)).numpy()
-        n = max(1, int(round(ratio * len(cand))))
-        top = np.argsort(-dev, kind="stable")[:n]
-        self.last_deviation = (cand, dev)
-        return np.sort(cand[top])
 
     # -- storing -----------------------------------------------------------------------------------
     def refresh(self, res: PrefillResult) -> int:

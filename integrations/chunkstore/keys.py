@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CHUNK_TOKENS", "KEY_SCHEME", "TOKENS_META", "Chunk", "split_chunks", "tokens_digest", "binding_digest",
-           "chunk_keys"]
+__all__ = ["CHUNK_TOKENS", "KEY_SCHEME", "TOKENS_META", "Chunk", "split_chunks", "separator_boundaries",
+           "tokens_digest", "binding_digest", "chunk_keys"]
 
 CHUNK_TOKENS = 256
 KEY_SCHEME = "kvz-chunk/1"
@@ -60,6 +60,26 @@ def split_chunks(n_tokens: int, chunk_tokens: int = CHUNK_TOKENS, boundaries=())
     for a, b in zip(cuts, cuts[1:]):
         for s in range(a, b, chunk_tokens):
             out.append((s, min(b, s + chunk_tokens)))
+    return out
+
+
+def separator_boundaries(token_ids, separators, min_segment: int = 32) -> list[int]:
+    """Boundaries derived from the text itself: the position of each separator token (a boundary *on*
+    the separator, so it leads the next chunk), skipping separators that follow the previous boundary
+    (or the start) by fewer than ``min_segment`` positions, and every separator of a run but the first.
+
+    >>> separator_boundaries([5, 9, 1, 1, 9, 2, 3, 9, 4], {9}, min_segment=2)
+    [4, 7]
+    """
+    seps = frozenset(int(t) for t in separators)
+    out, last = [], 0
+    prev_sep = False
+    for i, t in enumerate(token_ids):
+        is_sep = int(t) in seps
+        if is_sep and not prev_sep and i - last >= min_segment:
+            out.append(i)
+            last = i
+        prev_sep = is_sep
     return out
 
 
