@@ -25,6 +25,8 @@ Run::
 
     python -m kvz.benchmarks.reuse_repair --prompts 24 --json benchmarks/results/reuse-repair.json \\
         --md benchmarks/results/reuse-repair.md --plot benchmarks/results/reuse-repair.png
+    # the report of a saved (or stopped run's .partial) result:
+    python -m kvz.benchmarks.reuse_repair --from-json benchmarks/results/reuse-repair.partial.json --md ... --plot ...
 """
 from __future__ import annotations
 
@@ -200,11 +202,7 @@ def _assemble(per, sweep, base, engines, wl, args, blas, n_done, seconds) -> dic
         if n in base:
             row.update(base[n].stored())
         rows.append(row)
-    curve = []
-    for en, d in sweep.items():
-        cs = engines[en][0].store.chunk_tokens
-        for sn, rs in d.items():
-            curve.append({"engine": en, "chunk_tokens": cs, "placement": engines[en][2], "setting": sn, **_summary(rs)})
+    curve = _curve(sweep, {en: (e[0].store.chunk_tokens, e[2]) for en, e in engines.items()})
     ps = wl["prompts"][:n_done]
     return {"rows": rows, "curve": curve, "sweep_rows": sweep, "per_prompt": per,
             "workload": {"n_prompts": n_done, "doc_lengths": wl["doc_lengths"], "topics": [[int(x) for x in t] for t in
@@ -214,6 +212,18 @@ def _assemble(per, sweep, base, engines, wl, args, blas, n_done, seconds) -> dic
                          "new_tokens": args.new_tokens, "seed": args.seed, "shuffle_p": args.shuffle_p},
             "config": {"eps": args.eps, "blas": blas, "settings": args.settings}, "seconds": seconds,
             "command": getattr(args, "command", None)}
+
+
+def _curve(sweep, info) -> list:
+    """One summary row per (engine, setting); ``info``: engine -> (chunk_tokens, placement)."""
+    curve = []
+    for en, d in sweep.items():
+        cs, placement = info[en]
+        for sn, rs in d.items():
+            hit = _summary([r for r in rs if r["content_tokens"]])
+            curve.append({"engine": en, "chunk_tokens": cs, "placement": placement, "setting": sn, **_summary(rs),
+                          "with_content_hits": hit})
+    return curve
 
 
 def _f(x, fmt):
@@ -229,14 +239,22 @@ def to_markdown(out: dict, cmd: str) -> str:
              f"{out['config']['eps']}; {out['seconds'] / 60:.1f} min. TTFT ratio: median over prompts of TTFT / "
              "full-recompute TTFT (same prompt, interleaved). Identical: continuations equal to full recompute's.",
              "", "| engine | setting | TTFT ratio (median) | reuse frac | identical | KL mean | tokens computed | "
-                 "content tokens repaired | probe s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                 "content tokens repaired | probe s | prompts with content hits: n, TTFT ratio, identical, KL |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     n = w["n_prompts"]
     for r in out["rows"] + out["curve"]:
         lines.append(f"| {r['engine']} | {r['setting']} | {_f(r.get('ttft_ratio_median'), '.3f')} | "
                      f"{_f(r.get('reuse_frac'), '.3f')} | {r.get('identical', '-')}/{r.get('n', n)} | "
                      f"{_f(r.get('kl_mean'), '.2e')} | {_f(r.get('computed_tokens'), '.0f')} | "
-                     f"{_f(r.get('repaired_tokens'), '.0f')} | {_f(r.get('probe_s'), '.3f')} |")
+                     f"{_f(r.get('repaired_tokens'), '.0f')} | {_f(r.get('probe_s'), '.3f')} | {_hits(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _hits(r) -> str:
+    h = r.get("with_content_hits") or {}
+    if not h:
+        return "-"
+    return f"{h['n']}, {h['ttft_ratio_median']:.3f}, {h['identical']}/{h['n']}, {h['kl_mean']:.2e}"
 
 
 def plot(out: dict, path) -> None:
@@ -296,13 +314,8 @@ def main(argv=None) -> int:
         import json
 
         out = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
-        md = to_markdown(out, out.get("command", "(see the JSON)"))
-        if args.md:
-            write_text(args.md, md)
-        if args.plot:
-            plot(out, args.plot)
-        print(md)
-        return 0
+        out["curve"] = _curve(out["sweep_rows"], {r["engine"]: (r["chunk_tokens"], r["placement"]) for r in out["curve"]})
+        return _report(out, out.get("command") or "(see the JSON)", args)
     if args.quick:
         args.prompts, args.settings, args.settings_small = min(args.prompts, 3), "seam:32,seam+guided:32/0.1", "seam:16"
         args.first_settings = ""
@@ -316,6 +329,11 @@ def main(argv=None) -> int:
     if args.json:
         write_json(out, args.json)
         Path(args.json).with_suffix(".partial.json").unlink(missing_ok=True)
+    return _report(out, cmd, args)
+
+
+def _report(out, cmd, args) -> int:
+    """Write the markdown (``--md``) and the plot (``--plot``) of ``out``; print the markdown."""
     md = to_markdown(out, cmd)
     if args.md:
         write_text(args.md, md)
