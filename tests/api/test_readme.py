@@ -65,3 +65,4 @@ def test_python_snippets_run_as_written(i, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=_workdir(tmp_path), capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0, f"snippet {i}:\n{code}\n--- stderr:\n{r.stderr[-3000:]}"
+    assert "past_key_values" not in r.stderr, f"snippet {i} warns:\n{r.stderr[-3000:]}"  # transformers' deprecation
