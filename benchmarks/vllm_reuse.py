@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from kvz.integrations.vllm import mean_kl  # noqa: F401 - also this module's name for it (tests, vllm_ttft)
 
 BS = 128
 QUESTION = 48
@@ -108,26 +109,6 @@ def _engine(spec: dict, root: Path, name: str, timeout: int = 3600, core: int | 
         tail = (root / f"{name}.log").read_text()[-3000:]
         raise RuntimeError(f"engine {name} failed (rc {rc}):\n{tail}")
     return json.loads(out.read_text())
-
-
-def mean_kl(ref, got) -> float | None:
-    """Mean over the steps where the greedy tokens still agree of KL(ref || got) on ref's top-k
-    (renormalised on that set; a token missing from got's top-k gets got's smallest logprob)."""
-    if not ref or not got:
-        return None
-    vals = []
-    for a, b in zip(ref, got):
-        if not a or not b:
-            break
-        keys = list(a)
-        pa = [math.exp(a[k]) for k in keys]
-        floor = min(b.values())
-        pb = [math.exp(b.get(k, floor)) for k in keys]
-        za, zb = sum(pa), sum(pb)
-        vals.append(sum((x / za) * math.log((x / za) / max(y / zb, 1e-30)) for x, y in zip(pa, pb) if x > 0))
-        if max(a, key=a.get) != max(b, key=b.get):
-            break
-    return sum(vals) / len(vals) if vals else None
 
 
 def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None = None, log=print,
@@ -242,7 +223,7 @@ def main(argv=None) -> int:
                     help="sequential engines, TTFT median of this many rounds (kvz.benchmarks.vllm_ttft)")
     ap.add_argument("--recompute-rounds", type=int, default=None,
                     help="with --rounds: rounds of the no-connector engine (default --rounds)")
-    ap.add_argument("--no-cold", action="store_true", help="with --rounds: no cold prefills between kvz's hits")
+    ap.add_argument("--cold", action="store_true", help="with --rounds: a cold 8K prefill before each of kvz's hits")
     ap.add_argument("--topk", type=int, default=4096, help="logprobs per step for the KL (with --rounds)")
     a = ap.parse_args(argv)
     global RESUME
@@ -252,6 +233,8 @@ def main(argv=None) -> int:
     if "recompute" not in stores:
         stores = ["recompute"] + stores
     stores = ["recompute"] + [s for s in stores if s != "recompute"]
+    if a.rounds > 0 and a.recompute_rounds == 0:  # the kvz writers' cold prefills are the recompute
+        stores = [s for s in stores if s != "recompute"]
     model = a.model
     if not model:
         from kvz.integrations.vllm import convert
@@ -267,7 +250,7 @@ def main(argv=None) -> int:
         from . import vllm_ttft
 
         rows = vllm_ttft.run(sizes, stores, model, rounds=a.rounds, max_tokens=a.max_tokens, topk=a.topk,
-                             workdir=a.workdir, cold=not a.no_cold,
+                             workdir=a.workdir, cold=a.cold,
                              recompute_rounds=a.recompute_rounds, log=eprint)
         partial(rows)
     else:

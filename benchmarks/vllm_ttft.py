@@ -5,13 +5,17 @@ machine), each in vLLM's own ``LLM`` (:mod:`kvz.integrations.vllm.harness`):
 
 - ``recompute``: no connector; the reader prompt ``rounds`` times (prefix caching off: every round
   is a full prefill). Its first round's tokens and top-``K`` logprobs are the reference.
-- ``kvz`` (lossy, eps 0.02): the writer prompt (computes and stores the prefix), then ``rounds``
-  times a *cold* prompt (the reader prompt with its second token changed: no block matches, a full
+- ``kvz`` (lossy, eps 0.02): the writer (the reader prompt itself, cold: it computes and stores the
+  prefix and is the KL reference when there is no ``recompute`` engine), then the reader ``rounds``
+  times; with ``cold``, each hit is preceded by a *cold* prompt (the reader prompt with its second token changed: no block matches, a full
   prefill with the connector on) followed by the reader prompt (a store hit). Cold and hit
   alternate in one process, so their ratio is measured under the same machine load (``cold=False``:
   the hits only).
 - ``kvz-lossless`` and ``example`` (vLLM's ``ExampleConnector``): the writer, then the reader
   ``rounds`` times (each a store hit: prefix caching is off).
+
+Engines already run (same spec, same ``workdir``) are reused with ``--resume``, so stores can be
+added one invocation at a time.
 
 TTFT is vLLM's ``first_token_latency`` of the reader's request (arrival to first token). For kvz
 the split per round comes from the connector's counters: ``lookup_s`` (scheduler: fetch the runs
@@ -61,7 +65,7 @@ def plan(store: str, writer: list, reader: list, rounds: int, cold: bool = True,
         return [reader] * n, ["hit"] * n
     prompts, labels = [writer], ["writer"]
     for r in range(rounds):
-        if store == "kvz" and cold:
+        if store == "kvz" and cold:  # (a cold prefill before each hit: ``rounds`` more 8K prefills)
             prompts.append(cold_variant(reader, r))
             labels.append("cold")
         prompts.append(reader)
@@ -70,7 +74,7 @@ def plan(store: str, writer: list, reader: list, rounds: int, cold: bool = True,
 
 
 def run(sizes, stores, model_dir: str, *, rounds: int = 3, max_tokens: int = 8, topk: int = TOPK,
-        workdir: str | None = None, cold: bool = True, recompute_rounds: int | None = None,
+        workdir: str | None = None, cold: bool = False, recompute_rounds: int | None = None,
         log=print) -> list[dict]:
     """Rows in :mod:`kvz.benchmarks.vllm_reuse`'s format (plus the rounds, the split and the KL).
 
@@ -92,7 +96,8 @@ def run(sizes, stores, model_dir: str, *, rounds: int = 3, max_tokens: int = 8, 
     L, H, d = 18, 1, 256
     rows = []
     for n in sizes:
-        writer, reader, shared = prompts[n]
+        _, reader, shared = prompts[n]
+        writer = reader  # the writer's cold prefill is also a recompute of the reader (the KL reference)
         outs, labels = {}, {}
         for store in stores:
             ps, labels[store] = plan(store, writer, reader, rounds, cold, recompute_rounds)
@@ -100,13 +105,16 @@ def run(sizes, stores, model_dir: str, *, rounds: int = 3, max_tokens: int = 8, 
             t0 = time.perf_counter()
             outs[store] = vr._engine({**base, "prompts": ps, "store": cfg}, root, f"{store}-{n}")
             log(f"  {store} @ {n}: {time.perf_counter() - t0:.0f} s")
-        rec = outs["recompute"]["results"]
-        ref = rec[0]
+        rec = outs["recompute"]["results"] if "recompute" in outs else []
+        first = next((s for s in stores if s.startswith("kvz")), stores[0])
+        ref = rec[0] if rec else outs[first]["results"][0]  # no-connector round, else a kvz writer's cold prefill
         rec_ttft = [x["ttft_s"] for x in rec]
         for store in stores:  # every other cold 8K prefill with the same thread count
             if store.startswith("kvz"):
                 rec_ttft += [x["ttft_s"] for x, k in zip(outs[store]["results"], labels[store]) if k != "hit"]
         for store in stores:
+            if store == "recompute" and not rec:
+                continue
             res = outs[store]["results"]
             lab = labels[store]
             hits = [x for x, k in zip(res, lab) if k == "hit"]

@@ -5,7 +5,7 @@ Importing this package does not import vLLM; ``KvzConnector`` is loaded on first
 """
 from __future__ import annotations
 
-__all__ = ["KvzConnector", "KvzConnectorMetadata", "BlockStore", "KvzVllmWarning", "open_backend", "convert"]
+__all__ = ["KvzConnector", "KvzConnectorMetadata", "BlockStore", "KvzVllmWarning", "open_backend", "convert", "mean_kl"]
 
 
 def __getattr__(name):
@@ -13,6 +13,10 @@ def __getattr__(name):
         from . import connector
 
         return getattr(connector, name)
+    if name == "mean_kl":
+        from .harness import mean_kl
+
+        return mean_kl
     if name == "convert":
         from .convert import convert
 

@@ -7,13 +7,16 @@ store is proven to work across engines)::
 
 SPEC: ``{"model": dir, "prompts": [[ids]], "max_tokens": 8, "logprobs": 0, "store": null | "example"
 | {kvz extra config}, "max_model_len": 2048, "block_size": 128, "dtype": "bfloat16"}`` (optional:
-``"max_logprobs"``, vLLM's cap on ``logprobs`` (default 20); ``"detokenize": false``). Each prompt
+``"max_logprobs"``, vLLM's cap on ``logprobs`` (default 20); ``"detokenize": false``;
+``"kl_reference": OUT.json`` of an earlier run of the same prompts: each result gets
+``kl_vs_reference``, :func:`mean_kl` of that run's logprobs against this one's). Each prompt
 is run alone (sequentially), so its TTFT is its own. OUT: ``{"results": [{"tokens", "cached_tokens",
 "ttft_s", "logprobs"}], "connector": {...timings and counters}, "startup_s"}``.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -22,6 +25,27 @@ DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", 
                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def mean_kl(ref, got) -> float | None:
+    """The KL of two runs' logprobs (``results[i]["logprobs"]``): mean over the steps where the greedy
+    tokens still agree of KL(ref || got) on ref's top-k (renormalised on that set; a token missing
+    from got's top-k gets got's smallest logprob)."""
+    if not ref or not got:
+        return None
+    vals = []
+    for a, b in zip(ref, got):
+        if not a or not b:
+            break
+        keys = list(a)
+        pa = [math.exp(a[k]) for k in keys]
+        floor = min(b.values())
+        pb = [math.exp(b.get(k, floor)) for k in keys]
+        za, zb = sum(pa), sum(pb)
+        vals.append(sum((x / za) * math.log((x / za) / max(y / zb, 1e-30)) for x, y in zip(pa, pb) if x > 0))
+        if max(a, key=a.get) != max(b, key=b.get):
+            break
+    return sum(vals) / len(vals) if vals else None
 
 
 def kv_transfer_config(store) -> dict | None:
@@ -137,6 +161,11 @@ def run(spec: dict) -> dict:
         if conn is not None and hasattr(conn, "flush"):
             conn.flush()
         caught = [f"{type(x.message).__name__}: {x.message}" for x in w]
+    if spec.get("kl_reference"):
+        with open(spec["kl_reference"]) as f:
+            ref = json.load(f)["results"]
+        for r, x in zip(ref, results):
+            x["kl_vs_reference"] = mean_kl(r.get("logprobs"), x.get("logprobs"))
     info = {}
     if conn is not None and hasattr(conn, "store"):
         info = {"timings": dict(conn.timings), "counters": dict(conn.store.counters), "runs": list(conn.store.runs)}
