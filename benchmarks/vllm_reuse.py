@@ -91,10 +91,11 @@ def _store_cfg(store: str, root: Path):
     return {"store": str(root / store), "lossless": store == "kvz-lossless", "eps": 0.02, "threads": 1}
 
 
-def _engine(spec: dict, root: Path, name: str, timeout: int = 3600, core: int | None = None) -> dict:
+def _engine(spec: dict, root: Path, name: str, timeout: int = 3600, core: int | None = None,
+            resume: bool | None = None) -> dict:
     sp = root / f"{name}.spec.json"
     out = root / f"{name}.out.json"
-    if RESUME and out.exists() and sp.exists() and json.loads(sp.read_text()) == spec:
+    if (RESUME if resume is None else resume) and out.exists() and sp.exists() and json.loads(sp.read_text()) == spec:
         return json.loads(out.read_text())  # --resume: this engine already ran with this spec
     sp.write_text(json.dumps(spec))
     env = dict(os.environ)
@@ -250,7 +251,7 @@ def main(argv=None) -> int:
         from . import vllm_ttft
 
         rows = vllm_ttft.run(sizes, stores, model, rounds=a.rounds, max_tokens=a.max_tokens, topk=a.topk,
-                             workdir=a.workdir, cold=a.cold,
+                             workdir=a.workdir, cold=a.cold, resume=a.resume,
                              recompute_rounds=a.recompute_rounds, log=eprint)
         partial(rows)
     else:

@@ -75,7 +75,7 @@ def plan(store: str, writer: list, reader: list, rounds: int, cold: bool = True,
 
 def run(sizes, stores, model_dir: str, *, rounds: int = 3, max_tokens: int = 8, topk: int = TOPK,
         workdir: str | None = None, cold: bool = False, recompute_rounds: int | None = None,
-        log=print) -> list[dict]:
+        resume: bool = False, log=print) -> list[dict]:
     """Rows in :mod:`kvz.benchmarks.vllm_reuse`'s format (plus the rounds, the split and the KL).
 
     ``recompute_ttft_s`` is the median of every full prefill of an 8K prompt the run made: the
@@ -103,7 +103,7 @@ def run(sizes, stores, model_dir: str, *, rounds: int = 3, max_tokens: int = 8, 
             ps, labels[store] = plan(store, writer, reader, rounds, cold, recompute_rounds)
             cfg = vr._store_cfg(store, root / f"n{n}")
             t0 = time.perf_counter()
-            outs[store] = vr._engine({**base, "prompts": ps, "store": cfg}, root, f"{store}-{n}")
+            outs[store] = vr._engine({**base, "prompts": ps, "store": cfg}, root, f"{store}-{n}", resume=resume)
             log(f"  {store} @ {n}: {time.perf_counter() - t0:.0f} s")
         rec = outs["recompute"]["results"] if "recompute" in outs else []
         first = next((s for s in stores if s.startswith("kvz")), stores[0])
