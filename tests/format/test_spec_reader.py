@@ -256,6 +256,85 @@ def spec_rans_decode_ctx(payload: bytes, ids, tables) -> list:
     return _rans_symbols(payload, lambda i: ids[i], len(ids), tables)
 
 
+def spec_lanes_tables(tables):
+    """§7.3 tables: 12-bit frequencies ``g`` from the 15-bit ``f`` (and their prefix sums ``k``)."""
+    f, _ = tables
+    g = []
+    for row in f:
+        r = [max(1, (F * (1 << 12) + (1 << 14)) >> 15) for F in row]
+        while sum(r) > 1 << 12:
+            r[max(range(len(r)), key=lambda t: (r[t], -t))] -= 1
+        while sum(r) < 1 << 12:
+            r[max(range(len(r)), key=lambda t: (r[t], -t))] += 1
+        g.append(r)
+    assert hashlib.sha256(np.array(g, "<u2").tobytes()).hexdigest() == \
+        "6bcfd40c0169ec5e089c99bc1682ae82040a7d6aaec4ce8fca072a38702c7771"
+    return g, [[sum(row[:t]) for t in range(128)] for row in g]
+
+
+def spec_lanes32_decode(payload: bytes, models, C: int, n: int, ltables) -> list:
+    """§7.3: a coarse object coded with 32 lock-step lanes, model per channel."""
+    g, k = ltables
+    N = C * n
+    per_lane = -(-N // 32)
+    Hw = 128 if per_lane > 21845 else 96
+    if len(payload) % 2 or len(payload) < 2 * Hw or N > 2048 * len(payload):
+        raise SpecError("length")
+    W = len(payload) // 2
+    w = struct.unpack(f"<{W}H", payload)
+    x = [w[2 * lane] | (w[2 * lane + 1] << 16) for lane in range(32)]
+    if min(x) < 1 << 16:
+        raise SpecError("state")
+    counts = list(w[64:96]) if Hw == 96 else [w[64 + 2 * lane] | (w[65 + 2 * lane] << 16) for lane in range(32)]
+    if Hw + sum(counts) != W:
+        raise SpecError("lane table does not tile the payload")
+    start = [Hw + sum(counts[:lane]) for lane in range(32)]
+    pos = list(start)
+
+    def renorm(lane, v):
+        if v < 1 << 16:
+            if pos[lane] >= start[lane] + counts[lane]:
+                raise SpecError("a lane read beyond its stream")
+            v = (v << 16) | w[pos[lane]]
+            pos[lane] += 1
+        return v
+
+    out = []
+    for i in range(N):
+        lane, m = i % 32, models[i // n]
+        if not 0 <= m < 240:
+            raise SpecError("model id")
+        v = x[lane]
+        sl = v & 0xFFF
+        t = bisect.bisect_right(k[m], sl) - 1
+        v = renorm(lane, g[m][t] * (v >> 12) + sl - k[m][t])
+        base, nb = _token_base_nbits(t)
+        r = 0
+        if nb:
+            b1 = min(nb, 16)
+            r, v = v & ((1 << b1) - 1), renorm(lane, v >> b1)
+            if nb > 16:
+                r |= (v & ((1 << (nb - 16)) - 1)) << 16
+                v = renorm(lane, v >> (nb - 16))
+        x[lane] = v
+        u = base | (r << 1)
+        out.append(u >> 1 if not u & 1 else -((u + 1) >> 1))
+    if any(v != 1 << 16 for v in x) or pos != [a + c for a, c in zip(start, counts)]:
+        raise SpecError("final state or lane words")
+    return out
+
+
+def spec_coarse_decoder(header: dict, tables):
+    """The coarse-object decoder the header's coder names (§7 or §7.3)."""
+    coder = header["codec"].get("entropy", {}).get("coder", "rans4")
+    if coder == "lanes32":
+        lt = spec_lanes_tables(tables)
+        return lambda payload, models, C, n: spec_lanes32_decode(payload, models, C, n, lt)
+    if coder == "rans4":
+        return lambda payload, models, C, n: spec_rans_decode(payload, models, C, n, tables)
+    raise SpecError(f"coder {coder!r} has no spec decoder here")
+
+
 # -- §8.9 ordinals and contexts --------------------------------------------------------------------
 def _bits_of(a: np.ndarray) -> tuple:
     B = 8 * a.dtype.itemsize
@@ -290,17 +369,19 @@ def _refine_ids(coarse_hnd: np.ndarray, refine_models: bytes) -> list:
     return [refine_models[int(x)] for x in ctx]
 
 
-RANS4 = [n for n in sorted(VECTORS) if VECTORS[n]["compress"].get("coder", "rans4") == "rans4"]
+SPEC_CODERS = ("rans4", "lanes32")  # the coders this reader implements (not constriction's)
+RANS4 = [n for n in sorted(VECTORS) if VECTORS[n]["compress"].get("coder", "rans4") in SPEC_CODERS]
 
 
 @pytest.mark.parametrize("name", [n for n in RANS4 if "synth" in n])
 def test_spec_rans_decoder(name):
-    """Coarse symbols (§7) and refinement symbols (§7.2, contexts from the stored coarse tier)."""
+    """Coarse symbols (§7 or §7.3) and refinement symbols (§7.2, contexts from the stored coarse tier)."""
     v = VECTORS[name]
     raw = open(os.path.join(VEC, v["files"]["kvz"]), "rb").read()
     p = spec_parse(raw)
     exp = expected(v)
     tables = spec_tables()
+    coarse_decode = spec_coarse_decoder(p["header"], tables)
     lay = p["header"]["layout"]
     C, S = lay["kv_heads"] * lay["head_dim"], p["header"]["codec"]["config"]["object_size"]
     n_refined = 0
@@ -323,7 +404,7 @@ def test_spec_rans_decoder(name):
             continue
         if e["length"] == 0:
             continue
-        q = spec_rans_decode(raw[e["offset"]:e["offset"] + e["length"]], base64.b64decode(t["models"]), C, n, tables)
+        q = coarse_decode(raw[e["offset"]:e["offset"] + e["length"]], base64.b64decode(t["models"]), C, n)
         assert np.array_equal(np.array(q, np.int32).reshape(C, n), exp[f"q.{ti}.{j}"])
     assert n_refined == sum(1 for e in p["index"][p["n_coarse"]:] if e["length"])
 
@@ -559,6 +640,7 @@ def spec_decode(raw: bytes, bank) -> tuple:
               "float32": np.dtype(np.float32)}[lay["dtype"]]
     fmax = float(ml_dtypes.finfo(out_dt).max)
     tables = spec_tables()
+    coarse_decode = spec_coarse_decoder(h, tables)
     rope = lay["keys_roped"] and cfg["rope_undo"]
     tables11 = spec_rope11(lay) if rope and (exact or "rope" in lay) else None  # §8.3: which tables
     positions = np.arange(T) + lay["position_offset"]
@@ -580,7 +662,7 @@ def spec_decode(raw: bytes, bank) -> tuple:
                 if e["flags"] & OBJ_ZERO:
                     qs.append(np.zeros((H * d, n), np.int32))
                 else:
-                    q = spec_rans_decode(raw[e["offset"]:e["offset"] + e["length"]], models, H * d, n, tables)
+                    q = coarse_decode(raw[e["offset"]:e["offset"] + e["length"]], models, H * d, n)
                     qs.append(np.array(q, np.int32).reshape(H * d, n))
                 deltas.append(np.full(n, np.float32(e["delta"]), np.float32))
                 zero.append(np.full(n, bool(e["flags"] & OBJ_ZERO)))
@@ -799,3 +881,43 @@ def test_recorded_headers_match_schema():
     assert RECORDED, "no header was recorded (dump_header wrapper not active?)"
     for hb in RECORDED:
         val.validate(json.loads(hb))
+
+
+def test_spec_lanes32_and_library_agree_on_damaged_payloads():
+    """§7.3's validity rule: the spec decoder and the library accept or reject the same damaged
+    lanes32 payloads, and decode the accepted ones to the same symbols."""
+    from alignpred import entropy
+    from alignpred.errors import FormatError
+
+    name = next(n for n in sorted(VECTORS) if VECTORS[n]["compress"].get("coder") == "lanes32")
+    v = VECTORS[name]
+    raw = open(os.path.join(VEC, v["files"]["kvz"]), "rb").read()
+    p = spec_parse(raw)
+    lt = spec_lanes_tables(spec_tables())
+    lay = p["header"]["layout"]
+    C = lay["kv_heads"] * lay["head_dim"]
+    e = next(e for e in p["index"][:p["n_coarse"]] if e["length"])
+    t = p["header"]["tensors"][divmod(p["index"].index(e), p["n_obj"])[0]]
+    models = base64.b64decode(t["models"])
+    good = raw[e["offset"]:e["offset"] + e["length"]]
+    rng = np.random.default_rng(7)
+    cases = [good[:-2], good + b"\0\0", good[:-1]]
+    for _ in range(24):
+        b = bytearray(good)
+        b[int(rng.integers(0, len(b)))] ^= 1 << int(rng.integers(0, 8))
+        cases.append(bytes(b))
+    rejected = 0
+    for c in cases:
+        try:
+            want = spec_lanes32_decode(c, models, C, e["n_tokens"], lt)
+        except SpecError:
+            want = None
+        try:
+            got = entropy.decode(c, np.frombuffer(models, np.uint8), (C, e["n_tokens"]), coder="lanes32")
+        except FormatError:
+            got = None
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert np.array_equal(np.array(want, np.int32).reshape(C, e["n_tokens"]), got)
+        rejected += want is None
+    assert rejected >= 3  # the length cases at least
