@@ -352,7 +352,12 @@ class ReuseEngine:
                     continue  # another request stored it meanwhile
                 kv = [(k[0, :, a:b].detach().float().numpy(), v[0, :, a:b].detach().float().numpy())
                       for k, v in res.kv]
-                got = self.store.put(c, kv, res.token_ids[a:b], exact=ex)
+                try:
+                    got = self.store.put(c, kv, res.token_ids[a:b], exact=ex)
+                except Exception as e:  # noqa: BLE001 - a chunk that cannot be encoded is not stored, never a failure
+                    warnings.warn(ChunkStoreWarning(f"chunk {c.index} not stored ({type(e).__name__}: {e})"),
+                                  stacklevel=2)
+                    continue
                 n += got > 0
                 nbytes += got
             res.stored = True

@@ -62,9 +62,10 @@ def seam_mask(hits, T: int, R: int) -> np.ndarray:
 def probe_deviation(engine, ids, K, V, exact, candidates):
     """``(cand, dev)``: candidate positions and their relative K/V deviation at the probe layer.
 
-    Runs layers ``0..P`` (``P = engine.probe_layer``) over every non-exact position from the first one
-    to the last candidate (earlier positions must be exact at layers ``< P`` for the candidates' layer-P
-    K/V to be right); those layers' buffers then hold this context's K/V."""
+    Runs layers ``0..P`` (``P = engine.probe_layer``) over every non-exact position (earlier positions
+    must be exact at layers ``< P`` for the candidates' layer-P K/V to be right, and every buffered
+    position must be written: the additive mask does not hide a NaN left in an unwritten buffer);
+    those layers' buffers then hold this context's K/V."""
     import torch
 
     P = min(engine.probe_layer, engine.n_layers - 1)
@@ -77,7 +78,7 @@ def probe_deviation(engine, ids, K, V, exact, candidates):
     while run < len(ids) and exact[run]:
         run += 1
     with torch.inference_mode():
-        engine._probe(ids, list(range(run, int(cand[-1]) + 1)), K, V)
+        engine._probe(ids, list(range(run, len(ids))), K, V)
     k_new = K[P][0][:, cand]
     v_new = V[P][0][:, cand]
 
