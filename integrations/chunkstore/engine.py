@@ -36,7 +36,10 @@ piece that can recur or move (each retrieved document, tool output, the question
 separator that leads it* (``"\n\n"``, ``"Document:"``) rather than on its first token, and lead every
 piece with the same separator. The chunk then starts with the same separator tokens wherever it
 lands: the tokens right after a seam, the most perturbed, are separator tokens that the seam repair
-recomputes, and the document's own tokens keep their stored neighbours. With no boundaries, an
+recomputes, and the document's own tokens keep their stored neighbours. (The reasoning, not yet a
+measurement of this benchmark: ``benchmarks/reuse_repair.py --first-settings`` compares the two
+placements; issue 21 measured the first-token placement at more identical continuations and a
+higher TTFT, 0.26x vs 0.20x, with the old seam repair.) With no boundaries, an
 engine given ``separators`` (token ids, e.g. the tokenizer's ``"\n\n"``) derives them on each
 separator (:func:`~kvz.integrations.chunkstore.keys.separator_boundaries`, pieces of at least
 ``min_segment`` tokens); without either, chunks are fixed ``chunk_tokens`` pieces from position 0
