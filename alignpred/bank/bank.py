@@ -87,11 +87,18 @@ class Bank:
             raise BankMismatchError("bank manifest length out of range (truncated bank?)")
         try:
             man = json.loads(bytes(mv[16:16 + mlen]))
+            if not isinstance(man, dict):
+                raise BankMismatchError("malformed bank manifest: not a JSON object")
             if man.get("format") != FORMAT or man.get("version") != VERSION:
                 raise BankMismatchError(f"unsupported bank format {man.get('format')!r} v{man.get('version')!r}")
+            if not (isinstance(man["model"], str) and isinstance(man["signature"], dict)
+                    and isinstance(man["config"], dict) and isinstance(man["arrays"], list)):
+                raise BankMismatchError("malformed bank manifest: model, signature, config or arrays of the wrong type")
             data = mv[16 + mlen:]
             arrays = {}
             for e in man["arrays"]:
+                if not isinstance(e, dict) or not isinstance(e["name"], str) or e["name"] in arrays:
+                    raise BankMismatchError("malformed bank manifest: an array entry without a unique string name")
                 dt = np.dtype(_DTYPES[e["dtype"]]).newbyteorder("<")
                 shape = tuple(int(s) for s in e["shape"])
                 a, n = int(e["offset"]), int(e["length"])

@@ -382,6 +382,23 @@ def test_embedded_bank_mutations(files, work):
     run()
 
 
+@pytest.mark.parametrize("bad", [0, None, "dup"])
+def test_embedded_bank_array_names_must_be_unique_strings(files, work, bad):
+    """Found by the fuzzer in CI: an array named 0 reached ``sorted`` inside the bank id (a
+    TypeError); now a malformed-manifest error, like a duplicate name."""
+    import hashlib
+
+    raw, _ = files["emb"]
+    pre, payloads, bankb, header, entries = split(raw)
+    (mlen,) = struct.unpack_from("<Q", bankb, 8)
+    man = json.loads(bankb[16:16 + mlen])
+    man["arrays"][0]["name"] = man["arrays"][1]["name"] if bad == "dup" else bad
+    mb = json.dumps(man, sort_keys=True, separators=(",", ":")).encode()
+    b = bankb[:8] + struct.pack("<Q", len(mb)) + mb + bankb[16 + mlen:]
+    h = dict(header, bank=dict(header["bank"], id="sha256:" + hashlib.sha256(b).hexdigest()))
+    assert _check(work, rebuild(pre, payloads, b, h, entries), None) != "ok"
+
+
 # -- the corruption sweep script (benchmarks/corruption_sweep.py) on a small file ---------------
 def test_corruption_sweep_detects_everything(files):
     from kvz.benchmarks.corruption_sweep import sweep
