@@ -350,6 +350,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="kvz golden vectors")
     ap.add_argument("--regenerate", nargs="*", default=[], metavar="NAME", help="remake these vectors")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.regenerate) - {v[0] for v in vectors()})
+    if unknown:
+        ap.error(f"no such vector: {', '.join(unknown)} (1.0 vectors are frozen; the others: "
+                 f"{', '.join(v[0] for v in vectors())})")
     manifest_path = os.path.join(HERE, "manifest.json")
     old = {}
     if os.path.exists(manifest_path):
