@@ -175,14 +175,216 @@ def map_file(path) -> memoryview:
 
 
 # -- calibration banks (HDF5) ------------------------------------------------------------------
-def read_bank_attrs(path) -> tuple[str, str]:
-    """``(manifest JSON, stored content id)`` of an HDF5 bank, without reading its arrays."""
+# Start-up time: ``import h5py`` costs more than reading a bank (0.07-0.3 s measured here; kvz
+# decompress pays it once per process). Banks are read without h5py when the file is in the subset
+# h5py writes with its defaults (superblock 0/1, symbol-table groups, version-1 object headers,
+# contiguous or compact little-endian IEEE float16/float32 datasets without filters, UTF-8
+# variable-length string attributes); anything else -- and any doubt -- reads through h5py as before.
+# A wrong parse cannot go unnoticed: a bank's arrays must hash to the content id it stores.
+class _NotLite(Exception):
+    """The file is outside the subset :func:`_h5_lite` reads (h5py reads it)."""
+
+
+_F16 = (2, 15, 0, 16, 10, 5, 0, 10, 15)  # size, sign bit, bit offset, precision, exponent/mantissa layout, bias
+_F32 = (4, 31, 0, 32, 23, 8, 0, 23, 127)
+
+
+def _h5_lite(buf, arrays: bool = True) -> tuple[dict, dict]:
+    """``({attribute: str} of the root group, {path: array} of every dataset, in h5py's visit
+    order)`` of an HDF5 file in bytes (a writable buffer gives writable arrays, as h5py's);
+    :class:`_NotLite` if the file is not in the subset described above."""
+    import struct
+
+    import numpy as np
+
+    mv = memoryview(buf)
+    n = len(mv)
+
+    def u(fmt, off):
+        if off < 0 or off + struct.calcsize(fmt) > n:
+            raise _NotLite("out of range")
+        return struct.unpack_from("<" + fmt, mv, off)
+
+    if bytes(mv[:8]) != b"\x89HDF\r\n\x1a\n" or u("B", 8)[0] not in (0, 1) or u("BB", 13) != (8, 8):
+        raise _NotLite("superblock")
+    root = 24 + 4 * u("B", 8)[0]  # version 1 has the indexed-storage K and 2 reserved bytes more
+    base, _, eof = u("QQQ", root)
+    if base + eof > n:
+        raise _NotLite("truncated file")  # (h5py's error)
+    root += 32
+
+    def messages(addr):
+        ver, count, _, size = u("BxHII", base + addr)
+        if ver != 1:
+            raise _NotLite("object header version")
+        out: list[tuple[int, int, int]] = []
+        blocks = [(base + addr + 16, size)]
+        while blocks and len(out) < count:
+            p, size = blocks.pop(0)
+            end = p + size
+            while p + 8 <= end and len(out) < count:
+                t, sz, flags = u("HHB", p)
+                if flags & 0x02 or p + 8 + sz > end:
+                    raise _NotLite("shared or torn message")
+                if t == 0x10:
+                    a, length = u("QQ", p + 8)
+                    blocks.append((base + a, length))
+                out.append((t, p + 8, sz))
+                p += 8 + sz
+        return out
+
+    def vlen_str(p):  # u32 length, global heap id (collection address, object index)
+        length, coll, idx = u("IQI", p)
+        if bytes(mv[base + coll:base + coll + 4]) != b"GCOL":
+            raise _NotLite("global heap")
+        q, end = base + coll + 16, base + coll + u("Q", base + coll + 8)[0]
+        while q + 16 <= end:
+            i, _, _, sz = u("HHIQ", q)
+            if i == idx and sz >= length:
+                return bytes(mv[q + 16:q + 16 + length]).decode("utf-8")
+            if i == 0:
+                break
+            q += 16 + (sz + 7) // 8 * 8
+        raise _NotLite("global heap object")
+
+    def attrs_of(msgs) -> dict:
+        out = {}
+        for t, p, _ in msgs:
+            if t != 0x0C:
+                continue
+            ver, nl, dl, sl = u("BxHHH", p)
+            if ver != 1:
+                raise _NotLite("attribute version")
+            name = bytes(mv[p + 8:p + 8 + nl]).rstrip(b"\0").decode("utf-8")
+            dt = p + 8 + (nl + 7) // 8 * 8
+            sp = dt + (dl + 7) // 8 * 8
+            cls, bits = u("BB", dt)[0] & 0x0F, u("BBB", dt + 1)
+            if cls != 9 or bits[0] & 0x0F != 1 or bits[1] & 0x0F != 1 or u("BB", sp) != (1, 0):
+                raise _NotLite("attribute type")  # only scalar UTF-8 variable-length strings
+            out[name] = vlen_str(sp + (sl + 7) // 8 * 8)
+        return out
+
+    def dataset(msgs):
+        shape = dtype = data = None
+        for t, p, _ in msgs:
+            if t == 0x01:
+                ver, rank, flags = u("BBB", p)
+                if ver == 1:
+                    dims = p + 8
+                elif ver == 2 and u("B", p + 3)[0] == 1:
+                    dims = p + 4
+                else:
+                    raise _NotLite("dataspace")
+                if rank == 0 or flags & 0x02:
+                    raise _NotLite("scalar or permuted dataspace")
+                shape = u("Q" * rank, dims)
+            elif t == 0x03:
+                b0, b1, sign, _, size = u("BBBBI", p)
+                if b0 & 0x0F != 1 or b1 & 0x7F != 0x20 or (size, sign) + u("HHBBBBI", p + 8) not in (_F16, _F32):
+                    raise _NotLite("datatype")  # little-endian IEEE binary16/binary32 only
+                dtype = np.dtype("<f2" if size == 2 else "<f4")
+            elif t == 0x08:
+                ver, cls = u("BB", p)
+                if ver != 3 or cls not in (0, 1):
+                    raise _NotLite("layout")
+                data = (p + 4, u("H", p + 2)[0]) if cls == 0 else (lambda a, s: (base + a, s))(*u("QQ", p + 2))
+            elif t in (0x07, 0x0B, 0x02, 0x06, 0x11):
+                raise _NotLite("filters, external storage or links in a dataset")
+        if shape is None or dtype is None or data is None:
+            raise _NotLite("incomplete dataset")
+        count = int(np.prod(shape, dtype=np.int64))
+        off, size = data
+        if not count and not size:  # an empty dataset has no data address
+            return np.zeros(shape, dtype)
+        if size != count * dtype.itemsize or off + size > n or off % dtype.itemsize:
+            raise _NotLite("data out of range")
+        return np.frombuffer(mv, dtype, count, off).reshape(shape)
+
+    def children(btree, heap):
+        if bytes(mv[base + heap:base + heap + 4]) != b"HEAP":
+            raise _NotLite("local heap")
+        names = base + u("Q", base + heap + 24)[0]
+        out, todo = [], [btree]
+        while todo:
+            a = base + todo.pop()
+            if bytes(mv[a:a + 4]) != b"TREE" or u("B", a + 4)[0] != 0:
+                raise _NotLite("group B-tree")
+            level, used = u("BH", a + 5)
+            kids = [u("Q", a + 24 + 8 + 16 * i)[0] for i in range(used)]
+            if level:
+                todo += kids
+                continue
+            for s in kids:
+                s += base
+                if bytes(mv[s:s + 4]) != b"SNOD":
+                    raise _NotLite("symbol table node")
+                for i in range(u("H", s + 6)[0]):
+                    e = s + 8 + 40 * i
+                    name_off, obj, cache = u("QQI", e)
+                    if cache == 2:
+                        raise _NotLite("soft link")
+                    end = bytes(mv[names + name_off:names + name_off + 1024]).find(b"\0")
+                    if end < 0:
+                        raise _NotLite("link name")
+                    out.append((bytes(mv[names + name_off:names + name_off + end]), obj))
+        return sorted(out)
+
+    root_msgs = messages(u("Q", root + 8)[0])
+    attrs = attrs_of(root_msgs)
+    found: dict = {}
+    if arrays:
+        seen = set()
+
+        def visit(msgs, prefix):
+            tables = [p for t, p, _ in msgs if t == 0x11]
+            if not tables:
+                raise _NotLite("a group without a symbol table")
+            for name, obj in children(*u("QQ", tables[0])):
+                if obj in seen:
+                    raise _NotLite("an object linked twice")
+                seen.add(obj)
+                path = prefix + name.decode("utf-8")
+                msgs = messages(obj)
+                if any(t == 0x11 for t, _, _ in msgs):
+                    visit(msgs, path + "/")
+                else:
+                    found[path] = dataset(msgs)
+
+        visit(root_msgs, "")
+    return attrs, found
+
+
+def _read_lite(path, arrays: bool):
+    """:func:`_h5_lite` of a file, or None where it is outside the subset (or unreadable: h5py
+    then reports it, as before)."""
+    import struct
+
+    buf: bytearray | memoryview
+    try:
+        if arrays:  # one read into a writable buffer: the arrays are views of it
+            with open(path, "rb") as f:
+                buf = bytearray(os.fstat(f.fileno()).st_size)
+                if f.readinto(buf) != len(buf):
+                    return None
+        else:
+            buf = map_file(path)
+        attrs, found = _h5_lite(buf, arrays)
+        return str(attrs["kvz_bank"]), str(attrs["content_id"]), found
+    except (_NotLite, KvzError, OSError, KeyError, ValueError, IndexError, OverflowError, struct.error):
+        return None
+
+
+def _read_h5py(path, arrays: bool):
     import h5py
 
-    path = os.fspath(path)
     try:
         with h5py.File(path, "r") as f:
-            return str(f.attrs["kvz_bank"]), str(f.attrs["content_id"])
+            man, cid = str(f.attrs["kvz_bank"]), str(f.attrs["content_id"])
+            found: dict = {}
+            if arrays:
+                f.visititems(lambda name, obj: found.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset)
+                             else None)
+            return man, cid, found
     except FileNotFoundError:
         raise KvzError(f"{path}: no such file") from None
     except (OSError, KeyError, ValueError) as e:
@@ -191,28 +393,19 @@ def read_bank_attrs(path) -> tuple[str, str]:
         raise BankMismatchError(f"{path}: not a kvz bank ({e})") from None
 
 
+def read_bank_attrs(path) -> tuple[str, str]:
+    """``(manifest JSON, stored content id)`` of an HDF5 bank, without reading its arrays."""
+    path = os.fspath(path)
+    man, cid, _ = _read_lite(path, arrays=False) or _read_h5py(path, arrays=False)
+    return man, cid
+
+
 def read_bank_file(path) -> tuple[str, str, dict]:
     """``(manifest JSON, stored content id, {name: array})`` of an HDF5 bank."""
-    import h5py
-
     path = os.fspath(path)
     if not os.path.exists(path):
         raise KvzError(f"{path}: no such file")
-    try:
-        with h5py.File(path, "r") as f:
-            man, cid = str(f.attrs["kvz_bank"]), str(f.attrs["content_id"])
-            arrays = {}
-
-            def visit(name, obj):
-                if isinstance(obj, h5py.Dataset):
-                    arrays[name] = obj[()]
-
-            f.visititems(visit)
-    except (OSError, KeyError, ValueError) as e:
-        from alignpred.errors import BankMismatchError
-
-        raise BankMismatchError(f"{path}: not a kvz bank ({e})") from None
-    return man, cid, arrays
+    return _read_lite(path, arrays=True) or _read_h5py(path, arrays=True)
 
 
 def write_bank_file(path, manifest: str, content_id: str, arrays: dict) -> None:
