@@ -34,6 +34,10 @@ caches; ``--quick``: the first two, fewer repeats, a 4,096-token prefill):
 
 Results: JSON (rows, machine, load, command), a plot (Agg) and a Markdown summary.
 
+Separately, ``python -m kvz.benchmarks.speed.tree_compare --ref COMMIT`` (:mod:`.tree_compare`) runs
+the same worker on this tree and on any other commit, alternating, and checks same speed and same
+bytes (the restructure check against ``0e971f0``).
+
 The package, one module per part: :mod:`.config` (settings), :mod:`.codecs` (what is timed),
 :mod:`.codec_study` (1), :mod:`.processes` with :mod:`.worker` (2, 4), :mod:`.cli_study` with
 :mod:`.cold_start` (3), :mod:`.restore` (6), :mod:`.profiling` (7), :mod:`.acceptance`,
