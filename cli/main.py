@@ -14,6 +14,7 @@ import click
 
 # Only the light part of kvz at import time (``kvz --help`` must start in well under 0.15 s): every
 # command imports the library it uses when it runs.
+from alignpred._version import __version__
 from alignpred.errors import KvzError, OutputExistsError
 from kvz.cli.calibrate_cmd import model_options as _calibrate_model_options  # imports only click
 
@@ -67,7 +68,7 @@ def _emit(obj: dict, as_json: bool, lines: list[str]):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="kvz")
+@click.version_option(version=__version__)  # (not package_name: importlib.metadata costs 0.02-0.05 s)
 def cli():
     """kvz: error-bounded KV-cache compression (AlignPred) and the .kvz container."""
 
@@ -437,26 +438,38 @@ _register_optional()
 
 
 def skip_numba_blas_probe() -> None:
-    """Start-up time of the CLI process.
+    """Start-up time of the CLI process: three things numba does at its first compile or cache
+    load in a process that kvz's kernels never use, skipped in the CLI's process only (the library
+    does not do this: it would change numba for a host application's own jitted code).
 
-    numba's first compile or cache load in a process imports ``numba.np.arraymath``, whose BLAS
-    probe imports all of ``scipy.linalg`` (0.4 s on the project machine: more than decoding a
-    2,048-token cache). The probe's only use is to pick BLAS for ``np.cov``/``np.correlate`` in
-    jitted code, which kvz never calls (its kernels are integer/own code; ``np.dot`` in jitted
-    code still finds BLAS when compiled). So the CLI imports that module with ``scipy.linalg``
-    hidden for the moment, and ``scipy.linalg`` imports normally afterwards. The library does not
-    do this: it would change numba for a host application's own jitted code.
+    * ``numba.np.arraymath``'s BLAS probe imports all of ``scipy.linalg`` (0.4 s on the project
+      machine: more than decoding a 2,048-token cache), only to pick BLAS for
+      ``np.cov``/``np.correlate`` in jitted code (``np.dot`` in jitted code still finds BLAS).
+    * ``numba.core.typing.cffi_utils`` imports ``cffi`` and ``pycparser`` and builds an ``FFI``
+      (0.05-0.08 s measured here) so that jitted code can call cffi functions.
+    * ``numba.core.entrypoints.init_all`` reads the entry points of every installed distribution
+      (0.02 s with 157 installed) to run ``numba_extensions`` hooks, which type third-party
+      objects; kvz's kernels take numpy arrays and scalars only.
+
+    The modules are imported with ``scipy.linalg`` and ``cffi`` hidden for the moment; both import
+    normally afterwards.
     """
-    if "numba.np.arraymath" in sys.modules or "scipy.linalg" in sys.modules:
-        return
-    sys.modules["scipy.linalg"] = None  # type: ignore[assignment]  # import -> ImportError
+    hide = [m for m, user in (("scipy.linalg", "numba.np.arraymath"), ("cffi", "numba.core.typing.cffi_utils"))
+            if m not in sys.modules and user not in sys.modules]  # (a module imported already stays as it is)
+    for m in hide:
+        sys.modules[m] = None  # type: ignore[assignment]  # import -> ImportError
     try:
+        import numba.core.entrypoints
+        import numba.core.typing.cffi_utils  # noqa: F401
         import numba.np.arraymath  # noqa: F401
-    except Exception:  # a numba that probes differently: no harm, it imports again later
+
+        numba.core.entrypoints._already_initialized = True
+    except Exception:  # a numba that does this differently: no harm, it imports again later
         pass
     finally:
-        if "scipy.linalg" in sys.modules and sys.modules["scipy.linalg"] is None:
-            del sys.modules["scipy.linalg"]
+        for m in hide:
+            if m in sys.modules and sys.modules[m] is None:
+                del sys.modules[m]
 
 
 def main():

@@ -75,7 +75,8 @@ def test_errors_are_one_line(tmp_path):
 
 def test_cli_start_skips_numba_blas_probe():
     """The CLI's start-up shortcut: numba's first kernel load no longer imports scipy.linalg
-    (0.4 s), and afterwards scipy.linalg and numba's own BLAS-backed np.dot still work."""
+    (0.4 s) or cffi, nor reads every distribution's entry points, and afterwards scipy.linalg,
+    cffi and numba's own BLAS-backed np.dot still work."""
     code = (
         "import sys, numpy as np\n"
         "from kvz.cli.main import skip_numba_blas_probe\n"
@@ -83,6 +84,10 @@ def test_cli_start_skips_numba_blas_probe():
         "from alignpred.kernels.intmap import quantize_rows\n"
         "quantize_rows(np.ones((1, 2), np.float32))\n"
         "assert 'numba.np.arraymath' in sys.modules and 'scipy.linalg' not in sys.modules\n"
+        "assert 'cffi' not in sys.modules and 'pycparser' not in sys.modules\n"
+        "import numba.core.entrypoints, importlib.util\n"
+        "assert numba.core.entrypoints._already_initialized\n"
+        "assert importlib.util.find_spec('cffi') is None or __import__('cffi').FFI()\n"
         "import numba, scipy.linalg\n"
         "assert abs(scipy.linalg.det(2 * np.eye(2)) - 4) < 1e-12\n"
         "dot = numba.njit(lambda a, b: np.dot(a, b))\n"
