@@ -135,3 +135,30 @@ def test_decompress_several_files(tmp_path):
     assert res.exit_code == 2 and "existing directory" in res.output
     res = r.invoke(cli, ["decompress", srcs[0], srcs[0], "-o", str(outdir)])
     assert res.exit_code == 2 and "both be written" in res.output
+
+
+def test_decompress_start_up_imports(tmp_path):
+    """Start-up time of `kvz decompress` (stderr not a terminal, so no bar): the process does not
+    import h5py (the bank is read without it), tqdm (no bar to show), cffi or scipy.linalg (numba's
+    probes, skipped), and decodes to the same bytes as the library."""
+    p, c = _write_cache(tmp_path, T=150, roped=True)
+    r = CliRunner()
+    bank = str(tmp_path / "b.h5")
+    assert r.invoke(cli, ["calibrate", str(p), "-o", bank, "--rank", "4"]).exit_code == 0
+    kvz = str(tmp_path / "c.kvz")
+    assert r.invoke(cli, ["compress", str(p), "-o", kvz, "--bank", bank, "-q"]).exit_code == 0
+    out = str(tmp_path / "d.safetensors")
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print(sorted(m for m in ('tqdm', 'h5py', 'cffi', 'scipy.linalg') "
+            "if m in sys.modules)))\n"
+            "from kvz.cli.main import main\n"
+            f"sys.argv = ['kvz', 'decompress', {kvz!r}, '-o', {out!r}, '--bank', {bank!r}]\n"
+            "main()\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout
+    from alignpred import KvzReader
+
+    ref = KvzReader(kvz, bank=bank).read()
+    got = load_cache(out).tensors
+    assert set(got) == set(ref) and all(np.asarray(got[k]).tobytes() == np.asarray(ref[k]).tobytes() for k in ref)
