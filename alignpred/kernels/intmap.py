@@ -61,6 +61,7 @@ True
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from numba import njit
@@ -313,6 +314,19 @@ def _prepare_weights(W, n_src, shift_in, use_shift, shift, wp, w_exp):
                 wp[s, kp, j, e2] = np.int16(q)
 
 
+def _check_weights(W, n_src: int, shift):
+    """``(W, shift int32 [n_src, d_in])`` of :func:`prepare_weights`'s arguments, or its
+    TypeError/ValueError (zeros for no ``shift``)."""
+    W = np.asarray(W)
+    if W.ndim != 2 or W.dtype not in (np.float16, np.float32, np.float64):
+        raise TypeError("W must be a 2-D float16/float32/float64 array")
+    d_in = W.shape[0] // n_src
+    if d_in * n_src != W.shape[0]:
+        raise ValueError(f"W has {W.shape[0]} rows, not a multiple of n_src={n_src}")
+    sh_in = np.asarray(shift, np.int32).reshape(n_src, d_in) if shift is not None else np.zeros((n_src, d_in), np.int32)
+    return W, sh_in
+
+
 def prepare_weights(W: np.ndarray, n_src: int = 1, shift: np.ndarray | None = None):
     """``(wp, w_exp, shift)``: :func:`pack_weights` of :func:`quantize_weights` in one compiled
     pass (the bundled bank's 35 maps: 0.03 s instead of 0.1 s, paid when a file is opened; the
@@ -324,16 +338,10 @@ def prepare_weights(W: np.ndarray, n_src: int = 1, shift: np.ndarray | None = No
     >>> bool((wp == pack_weights(wq)).all() and (we == we2).all() and (sh == sh2).all())
     True
     """
-    W = np.asarray(W)
-    if W.ndim != 2 or W.dtype not in (np.float16, np.float32, np.float64):
-        raise TypeError("W must be a 2-D float16/float32/float64 array")
-    d_in = W.shape[0] // n_src
-    if d_in * n_src != W.shape[0]:
-        raise ValueError(f"W has {W.shape[0]} rows, not a multiple of n_src={n_src}")
-    d_out = W.shape[1]
+    W, sh_in = _check_weights(W, n_src, shift)
+    d_in, d_out = sh_in.shape[1], W.shape[1]
     Wc = np.ascontiguousarray(W, np.float64 if W.dtype == np.float64 else np.float32)  # exact
     use = shift is not None
-    sh_in = np.asarray(shift, np.int32).reshape(n_src, d_in) if use else np.zeros((n_src, d_in), np.int32)
     sh = np.empty((n_src, d_in), np.int32)
     wp = np.zeros((n_src, (d_in + 1) // 2, -(-d_out // 16) * 16, 2), np.int16)
     w_exp = np.empty((n_src, d_out), np.int32)
@@ -381,20 +389,49 @@ class IntMap:
     ``IntMap(W, n_src)``: ``W [n_src*d_in, d_out]`` (float16/32, sources stacked along rows in
     the bank's order).  :meth:`predict` takes the source rows (float32 ``[n, d_in]`` each, in the
     coding frame) and returns/writes float32 ``[n, d_out]``.  Rows are independent (per-row
-    scales): any split of the rows into calls gives the same bits.  Immutable after construction;
-    ``predict`` allocates its own scratch, so one ``IntMap`` can serve several threads.
+    scales): any split of the rows into calls gives the same bits.  The arguments are checked at
+    construction; the integer weights (:func:`prepare_weights`: 0.7 ms for a 512 x 256 map) are
+    made at first use, under a lock (start-up: a decoder that reads some layers prepares only
+    their maps; ``W`` must not change until then).  Immutable after that; ``predict`` allocates
+    its own scratch, so one ``IntMap`` can serve several threads.
     """
 
     def __init__(self, W: np.ndarray, n_src: int = 1, shift: np.ndarray | None = None):
-        self.wp, self.w_exp, self.shift = prepare_weights(W, n_src, shift)
-        self.n_src, self.d_out = self.w_exp.shape
-        self.d_in = self.shift.shape[1]
-        self._scales = [_row_scales(self.shift[s]) for s in range(self.n_src)]
+        W, sh = _check_weights(W, n_src, shift)
+        self.n_src, self.d_in, self.d_out = n_src, sh.shape[1], W.shape[1]
+        self._args: tuple | None = (W, shift)
+        self._ready: tuple | None = None
+        self._lock = threading.Lock()
+
+    def _prepared(self) -> tuple:
+        r = self._ready
+        if r is None:
+            with self._lock:
+                r = self._ready
+                if r is None and self._args is not None:
+                    wp, w_exp, sh = prepare_weights(self._args[0], self.n_src, self._args[1])
+                    r = self._ready = (wp, w_exp, sh, [_row_scales(sh[s]) for s in range(self.n_src)])
+                    self._args = None
+        assert r is not None
+        return r
+
+    @property
+    def wp(self) -> np.ndarray:
+        return self._prepared()[0]
+
+    @property
+    def w_exp(self) -> np.ndarray:
+        return self._prepared()[1]
+
+    @property
+    def shift(self) -> np.ndarray:
+        return self._prepared()[2]
 
     def quantize(self, srcs, xq: np.ndarray | None = None):
         """Quantise the sources: ``(xq int16 [S, n, d_pad], x_exp int32 [S, n])``."""
         n = srcs[0].shape[0]
-        kp2 = 2 * self.wp.shape[1]
+        wp, _, _, scales = self._prepared()
+        kp2 = 2 * wp.shape[1]
         if xq is None:
             xq = np.empty((self.n_src, n, kp2), np.int16)
         x_exp = np.empty((self.n_src, n), np.int32)
@@ -402,14 +439,15 @@ class IntMap:
             x = srcs[s]
             if x.shape != (n, self.d_in):
                 raise ValueError(f"source {s} has shape {x.shape}, expected ({n}, {self.d_in})")
-            _quantize_rows(np.ascontiguousarray(x, np.float32), *self._scales[s], xq[s], x_exp[s])
+            _quantize_rows(np.ascontiguousarray(x, np.float32), *scales[s], xq[s], x_exp[s])
         return xq, x_exp
 
     def predict(self, srcs, out: np.ndarray | None = None) -> np.ndarray:
         if len(srcs) != self.n_src:
             raise ValueError(f"expected {self.n_src} sources, got {len(srcs)}")
         xq, x_exp = self.quantize(srcs)
-        return map_predict(xq, x_exp, self.wp, self.w_exp, out, self.d_out)
+        wp, w_exp = self._prepared()[:2]
+        return map_predict(xq, x_exp, wp, w_exp, out, self.d_out)
 
 
 def reference_predict(xq: np.ndarray, x_exp: np.ndarray, wq: np.ndarray, w_exp: np.ndarray) -> np.ndarray:
