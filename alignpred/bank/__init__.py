@@ -5,6 +5,7 @@ finds banks by name or id, and calibration (GPA rotations, ridge prediction maps
 >>> resolve_bank("gemma-3-270m").model
 'gemma-3-270m'
 """
+from alignpred.bank.attention_stats import AttentionStats, AttentionStatsError, highrate_gain, waterfill_gain
 from alignpred.bank.bank import Bank
 from alignpred.bank.calibrate import block_samples, default_groups, default_sources, fit_bank, fit_map
 from alignpred.bank.gpa import fit_gpa
@@ -26,4 +27,5 @@ from alignpred.bank.registry import (
 
 __all__ = ["Bank", "block_samples", "default_groups", "default_sources", "fit_bank", "fit_map", "fit_gpa",
            "PACKAGE_DIR", "BankEntry", "BankRegistry", "add", "find", "fitting", "lookup", "missing_bank_error",
-           "registry", "resolve_bank", "search_dirs", "sensitivity", "user_dir"]
+           "registry", "resolve_bank", "search_dirs", "sensitivity", "user_dir",
+           "AttentionStats", "AttentionStatsError", "highrate_gain", "waterfill_gain"]
