@@ -21,8 +21,11 @@ layers over the non-exact positions (which makes those layers exact), measures e
 token's relative K/V deviation at layer ``probe_layer`` and recomputes every token above
 ``threshold`` (at most ``max_frac`` of them); ``blend`` recomputes a fixed top ``blend_ratio``
 fraction by the same deviation (CacheBlend-style); ``seam+guided`` / ``seam+blend`` do both.
-The defaults (:data:`DEFAULT_REPAIR` ...) are the measured best of
-``benchmarks/reuse_repair.py`` (``benchmarks/results/reuse-repair.md``).
+The defaults (:data:`DEFAULT_REPAIR` ...) come from ``benchmarks/reuse_repair.py``
+(``benchmarks/results/reuse-repair.md``, 24 prompts, 16 with content hits, chunk 256): the cheapest
+setting measured at mean KL ~2e-3 (TTFT 0.36x recompute, KL 2.1e-3, 14/24 identical continuations vs
+prefix reuse's 22/24). No setting measured meets TTFT <= 0.30x and KL <= 2e-3 together: ``seam`` alone
+is 0.15x at KL 5.9e-3; ``threshold=0.05, max_frac=0.5`` is 0.46x at KL 1.1e-3, 17/24 identical.
 Recomputed tokens attend to the full assembled context: one forward over the scattered positions
 with an explicit mask per layer type (causal, sliding window), whose cache writes their fresh K/V
 into the buffers in place (:func:`kvz.integrations.hf.ScatterCache`). When the positions to compute
@@ -36,10 +39,11 @@ piece that can recur or move (each retrieved document, tool output, the question
 separator that leads it* (``"\n\n"``, ``"Document:"``) rather than on its first token, and lead every
 piece with the same separator. The chunk then starts with the same separator tokens wherever it
 lands: the tokens right after a seam, the most perturbed, are separator tokens that the seam repair
-recomputes, and the document's own tokens keep their stored neighbours. (The reasoning, not yet a
-measurement of this benchmark: ``benchmarks/reuse_repair.py --first-settings`` compares the two
-placements; issue 21 measured the first-token placement at more identical continuations and a
-higher TTFT, 0.26x vs 0.20x, with the old seam repair.) With no boundaries, an
+recomputes, and the document's own tokens keep their stored neighbours. Measured
+(``benchmarks/reuse_repair.py --first-settings``, the default repair, 24 prompts): on the separator,
+mean KL 2.1e-3 and 14/24 identical; on the document's first token, KL 2.4e-3 and 16/24 identical, the
+same tokens recomputed: lower KL on the separator, the identical counts within two prompts, so the
+rule stays the separator (which is what ``separators`` derives). With no boundaries, an
 engine given ``separators`` (token ids, e.g. the tokenizer's ``"\n\n"``) derives them on each
 separator (:func:`~kvz.integrations.chunkstore.keys.separator_boundaries`, pieces of at least
 ``min_segment`` tokens); without either, chunks are fixed ``chunk_tokens`` pieces from position 0
@@ -74,7 +78,7 @@ from kvz.integrations.chunkstore.store import ChunkStore, ChunkStoreWarning
 __all__ = ["ReuseEngine", "PrefillResult", "DEFAULT_REPAIR", "DEFAULT_R", "DEFAULT_THRESHOLD", "DEFAULT_MAX_FRAC",
            "DEFAULT_PROBE_LAYER"]
 
-# the measured best of benchmarks/reuse_repair.py (benchmarks/results/reuse-repair.md)
+# from benchmarks/reuse_repair.py (benchmarks/results/reuse-repair.md): the cheapest setting measured at KL ~2e-3
 DEFAULT_REPAIR = "seam+guided"
 DEFAULT_R = 32
 DEFAULT_THRESHOLD = 0.1
@@ -102,7 +106,7 @@ class ReuseEngine:
 
     ``reuse``: ``"none"`` (full recompute), ``"prefix"`` (exact prefix hits only) or ``"content"``
     (prefix, then content hits with repair). ``repair``: one of :data:`REPAIRS` (default
-    :data:`DEFAULT_REPAIR`, the measured best); ``R`` tokens after each seam; ``threshold``: recompute
+    :data:`DEFAULT_REPAIR`, see the module docstring); ``R`` tokens after each seam; ``threshold``: recompute
     content-hit tokens whose probe deviation at ``probe_layer`` exceeds it (``guided``, at most
     ``max_frac`` of them); ``blend_ratio``: the top fraction by that deviation (``blend``).
     ``separators``: token ids to derive boundaries on when the caller gives none (``min_segment``

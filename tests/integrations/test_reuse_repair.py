@@ -102,3 +102,26 @@ def test_boundaries_from_separators(tiny, tmp_path):
     plain = ReuseEngine(tiny, _store(tiny, tmp_path / "s2"))
     plain.generate([1] + _ids(12, 6) + doc + [SEP] + _ids(6, 7), 2)
     assert plain.prefill([1] + _ids(27, 8) + doc + [SEP] + _ids(6, 9)).stats["n_content_hits"] == 0
+
+
+def test_reuse_repair_acceptance_checks():
+    """benchmarks/reuse_repair.py's acceptance table: each point is checked against prefix reuse and
+    FP8 on the same prompts, and fails when it should."""
+    from kvz.benchmarks.reuse_repair import acceptance
+
+    def row(i, ttft, kl, ident, content):
+        return {"prompt": i, "ttft_s": ttft, "ttft_ratio": ttft, "reuse_frac": 0.5, "identical": ident, "kl_mean": kl,
+                "computed_tokens": 10, "repaired_tokens": 0, "content_tokens": content, "probe_s": 0.0,
+                "first_div": None}
+
+    per = {"prefix": [row(i, 0.5, 1e-3, True, 0) for i in range(4)],
+           "fp8-same-positions": [row(i, 0.5, 2e-3, i != 0, 0) for i in range(4)]}
+    good = [row(i, 0.2, 1e-3, True, 5 * (i > 1)) for i in range(4)]
+    bad = [row(i, 0.4, 3e-3, i == 0, 5 * (i > 1)) for i in range(4)]
+    out = {"per_prompt": per, "sweep_rows": {"c256": {"good": good, "bad": bad}}}
+    got = {(r["subset"], r["setting"]): r for r in acceptance(out)}
+    assert set(got) == {(s, n) for s in ("all", "content-hit prompts") for n in ("good", "bad")}
+    g, b = got["all", "good"], got["all", "bad"]
+    assert g["ttft_ok"] and g["kl_ok"] and g["kl_fp8_ok"] and g["ident_ok"] and g["prefix_identical"] == 4
+    assert not (b["ttft_ok"] or b["kl_ok"] or b["kl_fp8_ok"] or b["ident_ok"])
+    assert got["content-hit prompts", "good"]["n"] == 2 and got["content-hit prompts", "bad"]["identical"] == 0
