@@ -14,9 +14,10 @@ import click
 
 # Only the light part of kvz at import time (``kvz --help`` must start in well under 0.15 s): every
 # command imports the library it uses when it runs.
-from alignpred._version import __version__
 from alignpred.errors import KvzError, OutputExistsError
+from kvz import __version__
 from kvz.cli.calibrate_cmd import model_options as _calibrate_model_options  # imports only click
+from kvz.cli.startup import NoBar, exit_process, skip_numba_blas_probe  # noqa: F401  (re-exported)
 
 
 def _errors(fn):
@@ -51,24 +52,11 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     click.echo(f"Warning: {message}", err=True)
 
 
-class _NoBar:
-    """A progress bar that shows nothing (what a disabled ``tqdm`` does)."""
-
-    def update(self, n=1) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
 def _progress(total: int | None, desc: str, quiet: bool, unit: str = "tensor"):
     # tqdm (0.02-0.04 s to import) only where it shows a bar: its disable=None hides the bar when
     # stderr is not a terminal, the test below
     if quiet or (hasattr(sys.stderr, "isatty") and not sys.stderr.isatty()):
-        return _NoBar()
+        return NoBar()
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=quiet or None,
@@ -454,44 +442,12 @@ def _register_optional():
 _register_optional()
 
 
-def skip_numba_blas_probe() -> None:
-    """Start-up time of the CLI process: three things numba does at its first compile or cache
-    load in a process that kvz's kernels never use, skipped in the CLI's process only (the library
-    does not do this: it would change numba for a host application's own jitted code).
-
-    * ``numba.np.arraymath``'s BLAS probe imports all of ``scipy.linalg`` (0.4 s on the project
-      machine: more than decoding a 2,048-token cache), only to pick BLAS for
-      ``np.cov``/``np.correlate`` in jitted code (``np.dot`` in jitted code still finds BLAS).
-    * ``numba.core.typing.cffi_utils`` imports ``cffi`` and ``pycparser`` and builds an ``FFI``
-      (0.05-0.08 s measured here) so that jitted code can call cffi functions.
-    * ``numba.core.entrypoints.init_all`` reads the entry points of every installed distribution
-      (0.02 s with 157 installed) to run ``numba_extensions`` hooks, which type third-party
-      objects; kvz's kernels take numpy arrays and scalars only.
-
-    The modules are imported with ``scipy.linalg`` and ``cffi`` hidden for the moment; both import
-    normally afterwards.
-    """
-    hide = [m for m, user in (("scipy.linalg", "numba.np.arraymath"), ("cffi", "numba.core.typing.cffi_utils"))
-            if m not in sys.modules and user not in sys.modules]  # (a module imported already stays as it is)
-    for m in hide:
-        sys.modules[m] = None  # type: ignore[assignment]  # import -> ImportError
-    try:
-        import numba.core.entrypoints
-        import numba.core.typing.cffi_utils  # noqa: F401
-        import numba.np.arraymath  # noqa: F401
-
-        numba.core.entrypoints._already_initialized = True
-    except Exception:  # a numba that does this differently: no harm, it imports again later
-        pass
-    finally:
-        for m in hide:
-            if m in sys.modules and sys.modules[m] is None:
-                del sys.modules[m]
-
-
 def main():
     warnings.showwarning = _show_warning  # one line on stderr, no source line
-    cli(prog_name="kvz")
+    try:
+        cli(prog_name="kvz")
+    except SystemExit as e:
+        exit_process(e.code)
 
 
 if __name__ == "__main__":

@@ -162,3 +162,27 @@ def test_decompress_start_up_imports(tmp_path):
     ref = KvzReader(kvz, bank=bank).read()
     got = load_cache(out).tensors
     assert set(got) == set(ref) and all(np.asarray(got[k]).tobytes() == np.asarray(ref[k]).tobytes() for k in ref)
+
+
+def test_kvz_process_exit(tmp_path):
+    """`kvz` leaves its process without the interpreter's teardown (cli/startup.py exit_process) but
+    as sys.exit would: statuses, stdout/stderr flushed, atexit handlers and other threads finished."""
+    def run(*args, pre=""):
+        code = (pre + "import sys\nfrom kvz.cli.main import main\n"
+                f"sys.argv = ['kvz', *{list(args)!r}]\nmain()\nprint('not reached')\n")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+    from alignpred import __version__
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout == f"kvz, version {__version__}\n"
+    r = run("inspect", str(tmp_path / "missing.kvz"))
+    assert r.returncode == 1 and r.stderr.strip().endswith("no such file") and "not reached" not in r.stdout
+    r = run("decompress")
+    assert r.returncode == 2 and "Missing argument" in r.stderr
+    pre = ("import atexit, threading, time\n"
+           "atexit.register(lambda: print('atexit ran', flush=False))\n"
+           "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', flush=False))).start()\n")
+    r = run("--help", pre=pre)
+    assert r.returncode == 0 and r.stdout.splitlines()[0].startswith("Usage: kvz")
+    assert r.stdout.splitlines()[-2:] == ["thread done", "atexit ran"]
