@@ -18,6 +18,8 @@
  * lanes32_decode2_{avx2,avx512} decode two objects of one shape and model list together (64 lanes in
  * flight), lanes32_probe_gather measures gather throughput.
  * lanes32_isa() says which vector entry points this build has (bit 0 AVX2, bit 1 AVX-512).
+ * Measurement only: -DLANES32_ABLATE_TABLE / -DLANES32_ABLATE_WORDS replace the AVX2 path's table /
+ * word gather by register arithmetic (wrong symbols; the benchmark times them to see what bounds it).
  */
 #include <stdint.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -167,8 +169,19 @@ static inline __m256i step8(__m256i *px, __m256i *pp, __m256i mb, const int *tab
                             __m256i smask, __m128i pcnt, const uint16_t *w, int64_t W) {
     const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi32(-1), m16 = _mm256_set1_epi32(0xFFFF);
     __m256i x = *px, p = *pp;
+#ifdef LANES32_ABLATE_TABLE   /* measurement only (wrong symbols): entries made in registers, tokens 0..31 */
+    __m256i e = _mm256_or_si256(_mm256_set1_epi32(0x50000000),
+                                _mm256_and_si256(_mm256_xor_si256(x, mb), _mm256_set1_epi32(0x1F)));
+    (void)tab; (void)smask;
+#else
     __m256i e = _mm256_i32gather_epi32(tab, _mm256_add_epi32(mb, _mm256_and_si256(x, smask)), 4);
+#endif
+#ifdef LANES32_ABLATE_WORDS   /* measurement only (wrong symbols): words made in registers */
+    __m256i g = _mm256_xor_si256(p, _mm256_set1_epi32(0x5A5A3C3C));
+    (void)wd; (void)wmax;
+#else
     __m256i g = _mm256_i32gather_epi32(wd, _mm256_min_epu32(p, wmax), 2);
+#endif
     __m256i tok = _mm256_and_si256(e, _mm256_set1_epi32(0xFF));
     x = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_srli_epi32(e, 20), _mm256_srl_epi32(x, pcnt)),
                          _mm256_and_si256(_mm256_srli_epi32(e, 8), _mm256_set1_epi32(0xFFF)));
