@@ -1,7 +1,10 @@
 """Where a fresh ``kvz decompress`` process spends its time (section 3): ``python -m
 kvz.benchmarks.speed.cold_start ARGS_JSON`` imports what ``kvz`` imports, loads the compiled kernels,
 opens the file, builds the bank and plans, and decompresses it twice (cold, then warm); prints
-``KVZ-SPEED-RESULT {json}`` with the seconds of each phase."""
+``KVZ-SPEED-RESULT {json}`` with the seconds of each phase. Not in it: the interpreter's start
+(``python -c pass``) and the process exit, which ``kvz`` itself makes cheap (``kvz.cli.startup.
+exit_process``: no teardown of numba's objects) -- time ``kvz decompress`` itself for those. The
+integer weights of the maps are prepared at first use, so they count in ``first_decompress_s``."""
 from __future__ import annotations
 
 import json
