@@ -116,6 +116,18 @@ def padded(buf):
     return w, raw.size // 2
 
 
+def _raise_for(err: int) -> None:
+    """The library's error for a native decoder's return code (0: none)."""
+    from alignpred.errors import FormatError
+
+    if err in ERRORS:
+        raise FormatError(f"lanes32 payload invalid: {ERRORS[err]}")
+    if err == ERR_MODEL:
+        raise ValueError("model id outside the model set")
+    if err:
+        raise RuntimeError(f"native lanes32 decoder: error {err}")
+
+
 class Native:
     """The compiled decoders of one shared library."""
 
@@ -158,8 +170,6 @@ class Native:
     def decode_words(self, w, W: int, ids, shape, out, path: str = "avx2", prec: int = 12):
         """Decode padded words ``w`` (``W`` real words) into ``out`` (C-contiguous int32 ``shape``);
         :class:`~alignpred.errors.FormatError` on an invalid payload, as the library's decoder."""
-        from alignpred.errors import FormatError
-
         C, N = shape
         if not 7 <= prec <= 12:
             raise ValueError("the lanes32 decoder needs 7 <= prec <= 12")
@@ -174,20 +184,13 @@ class Native:
         hw = 2 * 32 + 32 * (2 if (n + 31) // 32 > 21845 else 1)
         err = self.fns[path](w.ctypes.data, W, hw, ids.ctypes.data, C, N, tab.ctypes.data, tab.size >> prec, prec,
                              out.ctypes.data)
-        if err in ERRORS:
-            raise FormatError(f"lanes32 payload invalid: {ERRORS[err]}")
-        if err == ERR_MODEL:
-            raise ValueError("model id outside the model set")
-        if err:
-            raise RuntimeError(f"native lanes32 decoder: error {err}")
+        _raise_for(err)
         return out
 
     def decode_pair_words(self, wa, Wa: int, wb, Wb: int, ids, shape, oa, ob, path: str = "avx2", prec: int = 12):
         """Two objects of one shape (``N % 32 == 0``) and model list decoded together (64 lanes in
         flight); words, ids and outputs as :meth:`decode_words`.  The first object's error, else the
         second's, is raised."""
-        from alignpred.errors import FormatError
-
         C, N = shape
         if N % 32 or not 7 <= prec <= 12:
             raise ValueError("pairs need N % 32 == 0 and 7 <= prec <= 12")
@@ -203,12 +206,7 @@ class Native:
         hw = 2 * 32 + 32 * (2 if (C * N + 31) // 32 > 21845 else 1)
         err = self.fns[f"{path} pair"](wa.ctypes.data, Wa, wb.ctypes.data, Wb, hw, ids.ctypes.data, C, N,
                                        tab.ctypes.data, tab.size >> prec, prec, oa.ctypes.data, ob.ctypes.data)
-        if err in ERRORS:
-            raise FormatError(f"lanes32 payload invalid: {ERRORS[err]}")
-        if err == ERR_MODEL:
-            raise ValueError("model id outside the model set")
-        if err:
-            raise RuntimeError(f"native lanes32 decoder: error {err}")
+        _raise_for(err)
         return oa, ob
 
     def decode(self, buf, ids, shape, out=None, path: str = "avx2", prec: int = 12):
