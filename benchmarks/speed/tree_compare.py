@@ -94,7 +94,8 @@ def compare(ref: str, ref_dir: str, caches: list[str], *, threads=(1, 2), rounds
     for i, (r, c, lab) in enumerate(jobs):
         tree = trees[lab]
         res = run_worker(tree, c, bank_of_tree(tree), WARM_SAMPLE, list(threads), None, rep_enc, rep_dec)
-        res.update(round=r, cache=stem(c), label=lab, loadavg=loadavg())
+        res.update(round=r, cache=stem(c), label=lab, loadavg=loadavg(),
+                   module=os.path.relpath(res["module"], tree), env={})  # no machine paths in the results
         runs.append(res)
         d = ", ".join(f"t={t} {res['n_values'] / median(v['wall']) / 1e6:.1f}" for t, v in res["decode"].items())
         log(f"{i + 1}/{len(jobs)} {lab} {res['cache']}: decode {d} Mv/s, bpv {res['bpv']:.4f}, load {loadavg()}")
