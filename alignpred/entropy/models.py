@@ -98,7 +98,8 @@ def load() -> Tables:
     cum[:, 1:] = np.cumsum(freq, axis=1, dtype=np.uint32)[:, :-1]
     packed = (freq << np.uint32(16)) | cum
     tok_ids = np.arange(N_TOKENS, dtype=np.uint8)
-    slot2tok = np.stack([np.repeat(tok_ids, f) for f in freq])
+    # every row's frequencies sum to 2**PREC (checked by _validate): one repeat over the flat table
+    slot2tok = np.repeat(np.tile(tok_ids, len(freq)), freq.ravel()).reshape(len(freq), -1)
     coarse = np.ascontiguousarray(slot2tok[:, ::1 << COARSE_SHIFT])
     cumhi = (cum + freq).astype(np.uint16 if PREC < 16 else np.uint32)
     base, nbits = token_tables()

@@ -227,7 +227,11 @@ def check_bank(bank: Bank, layout: CacheLayout, config: CodecConfig) -> None:
             or not all(isinstance(g, list) and all(isinstance(s, str) for s in g) for g in cfgd.get("groups", [])):
         raise BankMismatchError("bank config is malformed")
     for a in bank.arrays.values():
-        if not np.isfinite(np.asarray(a, np.float32)).all():
+        a = np.asarray(a)
+        # float16: exponent bits all ones is Inf/NaN (tested on the bits: no float32 copy at start-up)
+        finite = ((a.view(np.uint16) & 0x7C00) != 0x7C00).all() if a.dtype == np.float16 \
+            else np.isfinite(np.asarray(a, np.float32)).all()
+        if not finite:
             raise BankMismatchError("bank holds non-finite values")
     for b in order:
         m = bank.arrays.get(f"mean/{b}")
