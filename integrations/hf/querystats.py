@@ -91,11 +91,9 @@ def _decoder(model):
 
 
 def _attn(layer):
-    for name in ("self_attn", "attention", "attn"):
-        m = getattr(layer, name, None)
-        if m is not None:
-            return m
-    raise ValueError(f"{type(layer).__name__}: no attention module (self_attn)")
+    from kvz.integrations.hf.rope import attention_module
+
+    return attention_module(layer, ValueError)
 
 
 def _dims(model):

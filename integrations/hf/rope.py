@@ -87,12 +87,17 @@ def layer_types_of(config) -> list[str]:
     return [str(t) for t in types]
 
 
-def _attention(layer):
+def attention_module(layer, error: type[Exception] = NotImplementedError):
+    """A decoder layer's attention module (``self_attn``, ``attention`` or ``attn``); ``error`` if none."""
     for name in ("self_attn", "attention", "attn"):
         m = getattr(layer, name, None)
         if m is not None:
             return m
-    raise UnsupportedRope(f"{type(layer).__name__}: no attention module (self_attn) found")
+    raise error(f"{type(layer).__name__}: no attention module (self_attn) found")
+
+
+def _attention(layer):
+    return attention_module(layer, UnsupportedRope)
 
 
 def _apply_fn(attn):
