@@ -33,7 +33,7 @@ from ..harness import (
     write_text,
 )
 from .config import log
-from .processes import ensure_kvz01, run_worker
+from .processes import _worker_stat, ensure_kvz01, run_worker
 
 __all__ = ["bank_of_tree", "compare", "main"]
 
@@ -51,13 +51,8 @@ def bank_of_tree(tree: str) -> str:
 
 
 def _rate(runs: list[dict], kind: str, th: str, what: str) -> float | None:
-    per: dict = {}
-    for r in runs:
-        if th in r[kind]:
-            per.setdefault(r["cache"], {"n": r["n_values"], "x": []})["x"] += r[kind][th][what]
-    if not per:
-        return None
-    return sum(p["n"] for p in per.values()) / sum(median(p["x"]) for p in per.values())
+    t, n = _worker_stat(runs, kind, th, what)
+    return n / t if t else None
 
 
 def summarize(runs: list[dict], labels: tuple[str, str], threads: list[int]) -> dict:
