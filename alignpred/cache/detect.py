@@ -160,9 +160,10 @@ def check_rope_theta(layout, tensors) -> None:
     worse = []
     for members in groups.values():
         sample = [members[j] for j in sorted({round(x) for x in np.linspace(0, len(members) - 1, SAMPLE_LAYERS)})]
-        found = [r for r in (_check_layer(layout, tensors, i, t) for i, t in sample) if r is not None]
-        if found:  # a mismatch in the sample: every layer of the group is checked and named
-            found = [r for r in (_check_layer(layout, tensors, i, t) for i, t in members) if r is not None]
+        checked = {i: _check_layer(layout, tensors, i, t) for i, t in sample}
+        if any(checked.values()):  # a mismatch in the sample: every layer of the group is checked and named
+            checked.update({i: _check_layer(layout, tensors, i, t) for i, t in members if i not in checked})
+        found = [checked[i] for i, _ in members if checked.get(i) is not None]
         for i, th, given, best, is_worse in found:
             wrong.setdefault(types[i], []).append((i, th, given, best))
             if is_worse:
