@@ -22,6 +22,9 @@ Per layer ``l`` and KV head ``g`` (``d = head_dim``):
   that relative mass over later positions. ``token_prior_sq`` / ``token_quantiles_sq``: the same
   for the summed *squared* attention weights, the per-token weight of a value error.
 
+``kvz calibrate CACHES... -o bank.h5`` writes the sidecar when the caches were captured with
+``kvz capture --attention-stats`` (:func:`~alignpred.bank.fit_attention_stats`); the registry
+says whether a bank has one (:meth:`~alignpred.bank.BankEntry.attention_stats`).
 ``meta`` holds how it was made (texts, tokens, command). The file is JSON with base64
 little-endian float32 arrays (``{"dtype", "shape", "data"}``), so it ships beside the bank as
 package data. A bank without a sidecar keeps working; a malformed one is an
@@ -48,7 +51,7 @@ import numpy as np
 from alignpred.errors import BankMismatchError, KvzError
 
 __all__ = ["AttentionStats", "AttentionStatsError", "SUFFIX", "sidecar_path", "save_attention_stats",
-           "load_attention_stats", "find_attention_stats", "highrate_gain", "waterfill_gain"]
+           "load_attention_stats", "find_attention_stats", "stats_beside", "highrate_gain", "waterfill_gain"]
 
 FORMAT = "kvz-attention-stats"
 VERSION = 1
@@ -201,13 +204,7 @@ class AttentionStats:
 
     # -- bytes -----------------------------------------------------------------------------------------
     def to_json(self) -> dict:
-        arrays = {}
-        for name in _ARRAYS:
-            a = getattr(self, name)
-            if a is not None:
-                a = np.ascontiguousarray(a, dtype="<f4")
-                arrays[name] = {"dtype": "float32", "shape": list(a.shape),
-                                "data": base64.b64encode(a.tobytes()).decode("ascii")}
+        arrays = {name: _encode_array(getattr(self, name)) for name in _ARRAYS if getattr(self, name) is not None}
         return {"format": FORMAT, "version": VERSION, "model": self.model, "bank_id": self.bank_id,
                 "layer_types": list(self.layer_types), "pairing": self.pairing,
                 "quantile_levels": list(self.quantile_levels), "arrays": arrays, "meta": self.meta}
@@ -237,6 +234,11 @@ class AttentionStats:
             raise AttentionStatsError(f"{where}: {str(e).removeprefix('attention stats: ')}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise AttentionStatsError(f"{where}: malformed ({type(e).__name__}: {e})") from None
+
+
+def _encode_array(a) -> dict:
+    a = np.ascontiguousarray(a, dtype="<f4")
+    return {"dtype": "float32", "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode("ascii")}
 
 
 def _decode_array(e, where: str) -> np.ndarray:
@@ -316,14 +318,21 @@ def find_attention_stats(ref) -> AttentionStats | None:
     ``Bank``), or None if it has none. A sidecar of another bank (stale: the bank was refitted) or a
     malformed one is an :class:`AttentionStatsError`."""
     path, bank_id = _bank_file(ref)
+    return stats_beside(path, bank_id)
+
+
+def stats_beside(bank_path, bank_id: str) -> AttentionStats | None:
+    """The sidecar beside the bank file ``bank_path`` whose content id is ``bank_id``, or None if
+    there is none; a stale (another bank's) or malformed one is an :class:`AttentionStatsError`."""
+    path = Path(os.fspath(bank_path))
     side = sidecar_path(path)
     if not side.is_file():
         return None
     stats = load_attention_stats(side)
     if stats.bank_id != bank_id:
         raise AttentionStatsError(f"{side}: statistics of bank {stats.bank_id[:19]}…, not of {path.name} "
-                                  f"({bank_id[:19]}…); refit them for this bank (benchmarks/attention_gain.py "
-                                  "--fit) or remove the file")
+                                  f"({bank_id[:19]}…); refit them for this bank (`kvz calibrate` on captures "
+                                  "made with `kvz capture --attention-stats`) or remove the file")
     return stats
 
 

@@ -67,6 +67,32 @@ class BankEntry:
 
         return Bank.load(self.path)
 
+    @property
+    def attention_stats_path(self) -> Path:
+        """Where this bank's attention statistics live (``<name>.attention.json`` beside it)."""
+        from alignpred.bank.attention_stats import sidecar_path
+
+        return sidecar_path(self.path)
+
+    @property
+    def has_attention_stats(self) -> bool:
+        """Whether a sidecar of attention statistics lies beside the bank (not read: cheap; see
+        :meth:`attention_stats` for a checked load)."""
+        return self.attention_stats_path.is_file()
+
+    def attention_stats(self):
+        """The bank's :class:`~alignpred.bank.AttentionStats` (the model-aware error measure of
+        issue 20), or None if it has none. A malformed sidecar, or one of another bank, is an
+        :class:`~alignpred.bank.AttentionStatsError`.
+
+        >>> find_entry = lookup("gemma-3-270m")
+        >>> find_entry.attention_stats().bank_id == find_entry.id
+        True
+        """
+        from alignpred.bank.attention_stats import stats_beside
+
+        return stats_beside(self.path, self.id)
+
 
 _CACHE: dict = {}
 
@@ -235,12 +261,15 @@ def missing_bank_error(bank_id: str, layout, where: str = "") -> BankMismatchErr
 
 
 def add(path, name: str | None = None, force: bool = False) -> BankEntry:
-    """Copy a bank file into the user folder (verified first: it must load and match its id)."""
+    """Copy a bank file into the user folder (verified first: it must load and match its id). Its
+    attention statistics (``<stem>.attention.json`` beside it, checked) go with it."""
+    from alignpred.bank.attention_stats import stats_beside
     from alignpred.bank.bank import Bank
     from alignpred.errors import OutputExistsError
     from alignpred.io import ensure_dir
 
     bank = Bank.load(path)
+    stats = stats_beside(path, bank.id)  # a malformed or stale sidecar is reported before anything is copied
     name = name or (f"{bank.model}-{bank.id[7:15]}" if bank.model else bank.id[7:23])
     if not re.match(r"^[A-Za-z0-9._-]{1,100}$", name):
         raise KvzError(f"bank name {name!r}: use letters, digits, '.', '_' and '-'")
@@ -250,12 +279,23 @@ def add(path, name: str | None = None, force: bool = False) -> BankEntry:
 
         same = _entry(dst, "user") if read_bank_attrs(dst)[1] == bank.id else None
         if same is not None:
+            if stats is not None and not same.has_attention_stats:
+                stats.save(same.attention_stats_path)
             return same
         raise OutputExistsError(f"{dst} exists and holds another bank; choose another --name or pass --force")
     bank.save(dst)
     e = _entry(dst, "user")
     if e is None:
         raise KvzError(f"{dst}: the bank written there does not read back")
+    if stats is not None:
+        stats.save(e.attention_stats_path)
+    elif e.has_attention_stats:  # left by the bank this one replaced: stale unless it is of this bank
+        from alignpred.bank.attention_stats import AttentionStatsError
+
+        try:
+            e.attention_stats()
+        except AttentionStatsError:
+            e.attention_stats_path.unlink()
     return e
 
 
