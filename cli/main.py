@@ -293,15 +293,20 @@ def calibrate(caches, out, rank, depth, group_size, no_rotations, eps_cal, force
         raise click.UsageError("--texts, --tokens, --register and --model-id go with --model")
     skip_numba_blas_probe()
     from alignpred import fit_bank, load_cache
+    from kvz.cli.calibrate_cmd import capture_records, write_attention_sidecar
 
     _check_output(out, force, caches)
     loaded = [load_cache(c) for c in caches]
+    records = capture_records(loaded, out, force)  # kvz capture --attention-stats: the bank's attention statistics
     bank = fit_bank(loaded, rank=rank or None, depth=depth, group_size=group_size, rotations=not no_rotations,
                     eps_cal=eps_cal)
     bank.save(out)
+    side, side_lines = write_attention_sidecar(records, bank, out)
     size = os.path.getsize(out)
-    _emit({"output": out, "bank_id": bank.id, "bytes": size, "positions": bank.config["n_positions"]}, as_json,
-          [f"{out}: bank {bank.id[:23]}… ({size} bytes, {bank.config['n_positions']} positions per block)"])
+    _emit({"output": out, "bank_id": bank.id, "bytes": size, "positions": bank.config["n_positions"],
+           "attention_stats": side}, as_json,
+          [f"{out}: bank {bank.id[:23]}… ({size} bytes, {bank.config['n_positions']} positions per block)"]
+          + side_lines)
 
 
 @cli.command()
@@ -346,13 +351,16 @@ def bank_list(as_json):
 
     es = registry()
     rows = [{"name": e.name, "id": e.id, "model": e.model, "signature": e.signature, "origin": e.origin,
-             "path": e.path} for e in es]
+             "path": e.path, "attention_stats": e.has_attention_stats} for e in es]
     lines = [f"{'name':<28} {'id':<21} {'model':<16} {'layers x heads x dim':<20} origin"]
     for e in es:
         sig = e.signature
         lines.append(f"{e.name:<28} {e.id[:19] + '…':<21} {e.model or '-':<16} "
                      f"{'{} x {} x {}'.format(sig.get('num_layers'), sig.get('kv_heads'), sig.get('head_dim')):<20} "
                      f"{e.origin}")
+    with_stats = [e.name for e in es if e.has_attention_stats]
+    if with_stats:
+        lines.append("with attention statistics: " + ", ".join(with_stats))
     if not es:
         lines = ["no banks registered; searched: " + ", ".join(str(d) for _, d in search_dirs())]
     _emit({"banks": rows}, as_json, lines)
@@ -409,20 +417,28 @@ def verify(srcs, bank, no_decode, threads, as_json, quiet):
 @_errors
 def bank_show(ref, as_json):
     """Details of a bank (REF: a path, a registry name or a content id)."""
-    from alignpred.bank import resolve_bank
+    from alignpred.bank import AttentionStats, AttentionStatsError, resolve_bank
 
     b = resolve_bank(ref)
+    try:
+        att, att_line = AttentionStats.find(ref), ""
+    except AttentionStatsError as e:  # the bank itself is fine: say what is wrong with its sidecar
+        att, att_line = None, f"unreadable ({e})"
     cfg = b.config
     maps = sorted({n.split("/")[1] for n in b.arrays if n.startswith("map/")})
     info = {"id": b.id, "model": b.model, "signature": b.signature, "bytes": b.nbytes, "arrays": len(b.arrays),
             "groups": len(cfg.get("groups", [])), "blocks_with_maps": len(maps), "rank": cfg.get("rank"),
             "eps_cal": cfg.get("eps_cal"), "n_positions": cfg.get("n_positions"),
-            "rope_undone": cfg.get("rope_undone"), "rotations": any(n.startswith("rot/") for n in b.arrays)}
+            "rope_undone": cfg.get("rope_undone"), "rotations": any(n.startswith("rot/") for n in b.arrays),
+            "attention_stats": att is not None}
     lines = [f"bank {b.id}", f"model {b.model or '-'}; {b.signature}",
              f"{info['bytes']} bytes, {info['arrays']} arrays; {info['blocks_with_maps']} blocks with maps "
              f"(rank {info['rank'] or 'full'}, eps_cal {info['eps_cal']}); {info['groups']} GPA groups"
              f"{'' if info['rotations'] else ' (no rotations)'}; fitted on {info['n_positions']} positions per block; "
-             f"RoPE undone on keys: {info['rope_undone']}"]
+             f"RoPE undone on keys: {info['rope_undone']}",
+             "attention statistics: " + (f"{att.num_layers} layers x {att.kv_heads} KV heads (beside the bank)"
+                                         if att is not None else att_line or "none (kvz calibrate on captures made "
+                                                                             "with kvz capture --attention-stats)")]
     _emit(info, as_json, lines)
 
 

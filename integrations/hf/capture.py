@@ -349,15 +349,20 @@ def _check_rope_calls(calls, spec, layer_types, dec) -> None:
 
 def capture_model(model, tokenizer, tokens, out_path: str | os.PathLike, dtype: str = "bfloat16",
                   chunk: int = 1024, model_id: str | None = None, *, max_tokens: int | None = None,
-                  source: str = "", progress: bool = False) -> dict[str, Any]:
+                  source: str = "", progress: bool = False,
+                  attention_stats: str | os.PathLike | None = None) -> dict[str, Any]:
     """Prefill ``tokens`` (a text — needs ``tokenizer`` — or a sequence of token ids) through
     ``model`` and write its full K/V cache to ``out_path`` (kvz-cache safetensors, atomically).
 
     ``max_tokens`` keeps the first tokens only (ValueError if there are fewer). ``model_id``
     goes into the ``model`` metadata (default: the config's ``_name_or_path`` or model type).
+    ``attention_stats``: also write the attention statistics of the same prefill to this path
+    (:func:`~kvz.integrations.hf.querystats.capture_stats`; ``kvz capture --attention-stats`` puts
+    them at :func:`alignpred.bank.capture_stats_path` of the output); the prefill is then one
+    chunk, with eager attention (``chunk`` is not used).
     Returns a summary dict (``path``, ``tokens``, ``layers``, ``kv_heads``, ``head_dim``,
     ``dtype``, ``seconds``, ``bytes``, ``layer_types``, ``rope``, ``chunk``, ``max_abs_key``,
-    ``max_abs_value``)."""
+    ``max_abs_value``; ``attention_stats``: the statistics' path, or None)."""
     require_modules("torch", "transformers")
     if isinstance(tokens, str):
         if tokenizer is None:
@@ -372,13 +377,26 @@ def capture_model(model, tokenizer, tokens, out_path: str | os.PathLike, dtype: 
             raise ValueError(f"text is too short: it has {len(ids)} tokens (including BOS), "
                              f"{max_tokens} were requested")
         ids = ids[:max_tokens]
-    tensors, spec, info = record_kv(model, ids, chunk=chunk, dtype=dtype, progress=progress)
+    stats = None
+    if attention_stats is not None:
+        from kvz.integrations.hf.querystats import capture_with_stats
+
+        tensors, spec, info, stats = capture_with_stats(model, ids, dtype=dtype, progress=progress)
+    else:
+        tensors, spec, info = record_kv(model, ids, chunk=chunk, dtype=dtype, progress=progress)
     from kvz.integrations.hf.rope import rope_thetas
 
     if model_id is None:
         cfg = model.config
         model_id = str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "") or type(model).__name__)
     meta = cache_metadata(info["layer_types"], rope_thetas(model, spec), ids, source, model=model_id, rope=spec)
+    stats_path = None
+    if stats is not None:
+        from kvz.integrations.hf.querystats import capture_stats
+
+        pairing = spec.tables[0].pairing if spec is not None and spec.tables else "half"
+        record = capture_stats(model, stats, ids, model_id=model_id, pairing=pairing)
+        stats_path = str(record.save(attention_stats))  # first: no cache of this run is left without them
     out = write_cache_atomic(tensors, meta, out_path)
     k0 = tensors["layers.0.key"]
     return {
@@ -396,4 +414,5 @@ def capture_model(model, tokenizer, tokens, out_path: str | os.PathLike, dtype: 
         "max_abs_key": [float(tensors[f"layers.{i}.key"].float().abs().max()) for i in range(len(info["layer_types"]))],
         "max_abs_value": [float(tensors[f"layers.{i}.value"].float().abs().max())
                           for i in range(len(info["layer_types"]))],
+        "attention_stats": stats_path,
     }

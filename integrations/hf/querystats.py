@@ -20,7 +20,9 @@ Recording uses forward hooks on public module attributes only (``self_attn.q_nor
 ``self_attn.q_proj``, ``self_attn`` itself for the attention weights, which needs the eager
 attention implementation; :func:`stats_hooks` switches to it and back). :func:`capture_with_stats`
 runs kvz's own :func:`~kvz.integrations.hf.capture.record_kv` inside the hooks, so the cache and its
-statistics come from the same prefill. torch is imported lazily.
+statistics come from the same prefill; :func:`capture_stats` turns them into the record ``kvz capture
+--attention-stats`` stores beside the cache and ``kvz calibrate`` fits a bank's statistics from
+(:class:`alignpred.bank.CaptureStats`). torch is imported lazily.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["PrefillStats", "stats_hooks", "record_query_stats", "capture_with_stats", "value_grams", "pair_index",
-           "pair_weights", "group_heads"]
+__all__ = ["PrefillStats", "stats_hooks", "record_query_stats", "capture_with_stats", "capture_stats", "value_grams",
+           "pair_index", "pair_weights", "group_heads"]
 
 
 def pair_index(head_dim: int, pairing: str = "half", rotary_dim: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -257,17 +259,43 @@ def record_query_stats(model, ids: Sequence[int], *, attention: bool = True) -> 
     return rec.result(rec.layer_types)
 
 
-def capture_with_stats(model, ids: Sequence[int], *, dtype: str = "float32", attention: bool = True):
+def capture_with_stats(model, ids: Sequence[int], *, dtype: str = "float32", attention: bool = True,
+                       progress: bool = False):
     """``(tensors, spec, info, stats)``: :func:`~kvz.integrations.hf.capture.record_kv` of ``ids``
-    (one prefill chunk) with the :class:`PrefillStats` of that same prefill."""
+    (one prefill chunk: the attention weights of a chunk must see every key position) with the
+    :class:`PrefillStats` of that same prefill."""
     from kvz.integrations.hf.capture import record_kv
 
     ids = [int(t) for t in ids]
     with stats_hooks(model, attention) as rec:
-        tensors, spec, info = record_kv(model, ids, chunk=max(1, len(ids)), dtype=dtype)
+        tensors, spec, info = record_kv(model, ids, chunk=max(1, len(ids)), dtype=dtype, progress=progress)
     stats = rec.result(info["layer_types"])
     stats.info = {"chunk": info["chunk"], "seconds": info["seconds"]}
     return tensors, spec, info, stats
+
+
+def capture_stats(model, stats: PrefillStats, ids: Sequence[int], *, model_id: str = "", pairing: str = "half"):
+    """The :class:`~alignpred.bank.CaptureStats` record of a prefill (what ``kvz capture
+    --attention-stats`` writes beside the cache): ``stats`` (with attention) plus the model's
+    value Grams (:func:`value_grams`, with the post-``o_proj`` norm's gain where the model has one),
+    tied to the prefill by the sha256 of ``ids``."""
+    from alignpred.bank import CaptureStats, tokens_digest
+
+    if stats.mass is None or stats.sq is None:
+        raise ValueError("capture statistics need the attention weights (record with attention=True)")
+    ids = [int(t) for t in ids]
+    if len(ids) != stats.n_tokens:
+        raise ValueError(f"{len(ids)} token ids for statistics of {stats.n_tokens} tokens")
+    g = value_grams(model)
+    norm = g["gram_norm"] is not None
+    return CaptureStats(model=str(model_id), n_tokens=stats.n_tokens, tokens_sha256=tokens_digest(ids),
+                        layer_types=tuple(stats.layer_types), pairing=pairing, q_channel=stats.q_channel,
+                        mass=stats.mass, sq=stats.sq, value_gram=g["gram_norm"] if norm else g["gram"],
+                        value_gram_kind="o_proj blocks of the group's heads times post_attention_layernorm's gain"
+                        if norm else "o_proj blocks of the group's heads",
+                        meta={"queries": "pre-RoPE, after q_norm where the model has one, summed over the GQA "
+                                         "group's heads, mean over tokens",
+                              "seconds": round(float(stats.info.get("seconds", 0.0)), 3)})
 
 
 def _norm_gain(norm, dim: int):
