@@ -2,7 +2,7 @@
 attention statistics give `kvz calibrate` a `<bank>.attention.json`; captures without give none and
 no alarm; a mixture uses those that have them and names the others; `kvz bank show` / `list` say
 whether a bank has them. Fast tests on a tiny random Gemma 3 (token ids, no tokenizer); the real
-Gemma 3 270M through `kvz capture --attention-stats` in a slow test."""
+Gemma 3 270M through `kvz capture --attention-stats`, and the fit against the bundled sidecar, in slow tests."""
 from __future__ import annotations
 
 import json
@@ -167,3 +167,27 @@ def test_real_gemma_capture_calibrate_roundtrip(gemma, tmp_path):
     assert s.key_channel.shape == (18, 1, 256) and s.value_frame.shape == (18, 1, 256)
     bundled = AttentionStats.find("gemma-3-270m")  # same model: the same W_o Gram
     assert np.allclose(s.value_gram_eig, bundled.value_gram_eig, rtol=1e-3, atol=1e-3 * bundled.value_gram_eig.max())
+
+
+@pytest.mark.model
+def test_calibrate_fit_reproduces_the_bundled_sidecar(gemma):
+    """kvz calibrate's fit (fit_attention_stats) on the bundled bank's calibration prefills gives the
+    bundled sidecar (written by benchmarks/attention_gain.py --fit) to float32 rounding."""
+    from pathlib import Path
+
+    from alignpred.bank import fit_attention_stats, resolve_bank
+    from kvz.benchmarks.rate_quality import documents
+    from kvz.integrations.hf.capture import tokenize
+    from kvz.integrations.hf.querystats import capture_stats, record_query_stats
+
+    m, tok = gemma
+    recs = []
+    for _, path in documents("calib"):
+        ids = tokenize(tok, Path(path).read_text(encoding="utf-8"))[:2048]
+        recs.append(capture_stats(m, record_query_stats(m, ids), ids, model_id="gemma-3-270m"))
+    s = fit_attention_stats(recs, resolve_bank("gemma-3-270m"))
+    ref = AttentionStats.find("gemma-3-270m")
+    for n in ("key_channel", "value_gram_eig", "value_gram_diag", "key_frame", "value_frame", "token_prior",
+              "token_quantiles", "token_prior_sq", "token_quantiles_sq"):
+        a, b = getattr(s, n).astype(np.float64), getattr(ref, n).astype(np.float64)
+        assert a.shape == b.shape and np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), n
