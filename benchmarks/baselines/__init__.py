@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from . import fp8, hevc, kivi, kvquant, kvtc, lossless, sz3, turboquant, zfp
+from . import covrot, fp8, hevc, kivi, kvquant, kvtc, lossless, sz3, turboquant, zfp
 from ._core import (
     ALLOCS,
     Baseline,
@@ -25,7 +25,7 @@ from ._core import (
 )
 
 BASELINES: dict[str, TensorCodec] = {}
-for _m in (fp8, kivi, sz3, zfp, kvtc, hevc, lossless, turboquant, kvquant):
+for _m in (fp8, kivi, sz3, zfp, kvtc, hevc, lossless, turboquant, kvquant, covrot):
     BASELINES.update(_m.baselines())
 
 REQUIRES: dict[str, tuple[str, ...]] = {
