@@ -82,3 +82,33 @@ def blas_single_thread():
     and many; a library pool fighting kvz's own threads made decode 16x slower)."""
     with _controller().limit(limits=1, user_api="blas"):
         yield
+
+
+_ROWS = threading.local()
+
+
+@contextlib.contextmanager
+def split_rows(n: int):
+    """Inside the block, kvz's row-independent kernels called from *this* thread (the exact map
+    products, :meth:`alignpred.kernels.intmap.IntMap.predict`) split their rows over ``n`` of
+    kvz's threads: what lets one object -- a 256-token chunk -- decode on several cores, where
+    ``threads=`` alone splits only whole objects. Rows are independent (per-row scales), so the
+    bits do not depend on ``n``. Other threads are not affected.
+
+    >>> with split_rows(2):
+    ...     row_threads()
+    2
+    >>> row_threads()
+    1
+    """
+    prev = getattr(_ROWS, "n", 1)
+    _ROWS.n = max(1, int(n))
+    try:
+        yield
+    finally:
+        _ROWS.n = prev
+
+
+def row_threads() -> int:
+    """The row split :func:`split_rows` set for this thread (1 outside it)."""
+    return getattr(_ROWS, "n", 1)

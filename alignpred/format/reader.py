@@ -38,12 +38,21 @@ from alignpred.format.header import check_header, coder_prec, minor_for, tensor_
 from alignpred.format.index import check_index
 from alignpred.format.session import DEFAULT_SESSION, DecoderSession
 from alignpred.io import map_file, release_pages
-from alignpred.threads import blas_single_thread, default_threads, stepwise
+from alignpred.threads import blas_single_thread, default_threads, split_rows, stepwise
 from alignpred.threads import pool as _pool
 
 #: :meth:`KvzReader.read_into` decodes at most this many tokens (rounded up to whole objects)
 #: through every layer at a time, which bounds its working memory.
 TILE_TOKENS = 256
+
+
+def _inside(ctx, n: int):
+    """``ctx`` with :func:`~alignpred.threads.split_rows` ``(n)`` entered inside it."""
+    @contextlib.contextmanager
+    def both():
+        with ctx(), split_rows(n):
+            yield
+    return both
 
 
 def _lockstep(pool, gens):
@@ -314,6 +323,8 @@ class KvzReader:
 
         gens = [group(g0, g1) for g0, g1 in groups]
         blas = blas_single_thread if self.config.arith == "float" else contextlib.nullcontext
+        if len(gens) == 1 and self.threads > 1:  # one object range: its rows go over the threads
+            blas = _inside(blas, self.threads)
         try:
             if len(gens) == 1:
                 steps = ([r] for r in gens[0])

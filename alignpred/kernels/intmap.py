@@ -85,6 +85,10 @@ from alignpred.kernels.intmap_block import (  # noqa: F401
     _map_predict,
     _pow2,
 )
+from alignpred.threads import pool, row_threads
+
+# rows per thread below which a split row range is not worth a hand-off (split_rows)
+SPLIT_MIN_ROWS = 64
 
 # --------------------------------------------------------------------------------------------
 # weights
@@ -443,11 +447,30 @@ class IntMap:
         return xq, x_exp
 
     def predict(self, srcs, out: np.ndarray | None = None) -> np.ndarray:
+        """The prediction ``float32 [n, d_out]`` from the source rows; inside
+        :func:`alignpred.threads.split_rows` the rows are split over kvz's threads (the same bits)."""
         if len(srcs) != self.n_src:
             raise ValueError(f"expected {self.n_src} sources, got {len(srcs)}")
-        xq, x_exp = self.quantize(srcs)
         wp, w_exp = self._prepared()[:2]
-        return map_predict(xq, x_exp, wp, w_exp, out, self.d_out)
+        n = srcs[0].shape[0]
+        k = min(row_threads(), n // SPLIT_MIN_ROWS)
+        if k <= 1:
+            xq, x_exp = self.quantize(srcs)
+            return map_predict(xq, x_exp, wp, w_exp, out, self.d_out)
+        if out is None:
+            out = np.empty((n, self.d_out), np.float32)
+        o = out
+
+        def part(a: int, b: int) -> None:
+            xq, x_exp = self.quantize([x[a:b] for x in srcs])
+            map_predict(xq, x_exp, wp, w_exp, o[a:b], self.d_out)
+
+        edges = [n * i // k for i in range(k + 1)]
+        rest = [pool(k).submit(part, edges[i], edges[i + 1]) for i in range(1, k)]
+        part(edges[0], edges[1])
+        for f in rest:
+            f.result()
+        return out
 
 
 def reference_predict(xq: np.ndarray, x_exp: np.ndarray, wq: np.ndarray, w_exp: np.ndarray) -> np.ndarray:

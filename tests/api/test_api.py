@@ -113,6 +113,25 @@ def test_read_into_memory_is_bounded_by_a_tile():
     assert peaks[8 * TILE_TOKENS] <= peaks[TILE_TOKENS] + raw_tile, peaks
 
 
+def test_one_object_decodes_on_several_threads_to_the_same_bits():
+    """A 256-token chunk is one object: threads= splits its map products by rows (issue 19,
+    point 3); every thread count, layer stream and sub-range gives the bits of one thread."""
+    from alignpred.threads import row_threads
+
+    c = synthetic_cache(n_layers=4, heads=2, T=256, d=64)
+    bank = fit_bank([synthetic_cache(n_layers=4, heads=2, T=512, d=64, seed=5)], rank=None)
+    blob = compress_bytes(c, eps=0.03, bank=bank)
+    full = KvzReader(blob, bank=bank, threads=1).read()
+    for threads in (2, 3, 4):
+        r = KvzReader(blob, bank=bank, threads=threads)
+        got = r.read()
+        for n in full:
+            assert np.array_equal(got[n].view(np.uint16), full[n].view(np.uint16)), (threads, n)
+        for name, arr in r.iter_layers(tokens=(10, 200), layers=[1, 3]):
+            assert row_threads() == 1  # the split is set only while kvz decodes, not in the caller's loop
+            assert np.array_equal(arr.view(np.uint16), full[name][:, 10:200].view(np.uint16)), (threads, name)
+
+
 def test_torch_in_and_out(cb):
     torch = pytest.importorskip("torch")
     c, bank = cb

@@ -291,3 +291,27 @@ def test_single_accumulator_bound():
     assert (out.view(np.uint32) == ref.view(np.uint32)).all()
     assert float(ref[0, 0]) == float(np.float32(L * im.WQ_MAX)) and L * im.WQ_MAX < 2 ** 31
     assert (L + 1) * im.WQ_MAX >= 2 ** 31
+
+
+@pytest.mark.parametrize("n", [1, 63, 128, 257, 1000])
+def test_rows_split_over_threads_give_the_same_bits(n):
+    """split_rows: one object's map products on several threads (issue 19, point 3), same bits
+    for any split, including ranges too short to split and row counts not divisible by it."""
+    from alignpred.kernels.intmap import SPLIT_MIN_ROWS
+    from alignpred.threads import row_threads, split_rows
+
+    rng = np.random.default_rng(n)
+    W = (rng.standard_normal((2 * 96, 48)) * 0.1).astype(np.float32)
+    m = im.IntMap(W, 2)
+    srcs = [rng.standard_normal((n, 96)).astype(np.float32) * s for s in (1.0, 30.0)]
+    want = m.predict(srcs)
+    for k in (2, 3, 4):
+        with split_rows(k):
+            assert row_threads() == k
+            got = m.predict(srcs)
+            out = np.full((n, 48), np.nan, np.float32)
+            m.predict(srcs, out=out)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (n, k)
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), (n, k)
+    assert row_threads() == 1
+    assert SPLIT_MIN_ROWS >= 8  # a hand-off per part must be worth it
