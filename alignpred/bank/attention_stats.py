@@ -51,7 +51,8 @@ import numpy as np
 from alignpred.errors import BankMismatchError, KvzError
 
 __all__ = ["AttentionStats", "AttentionStatsError", "SUFFIX", "sidecar_path", "save_attention_stats",
-           "load_attention_stats", "find_attention_stats", "stats_beside", "highrate_gain", "waterfill_gain"]
+           "load_attention_stats", "find_attention_stats", "stats_beside", "read_record", "encode_array",
+           "decode_array", "highrate_gain", "waterfill_gain"]
 
 FORMAT = "kvz-attention-stats"
 VERSION = 1
@@ -204,7 +205,7 @@ class AttentionStats:
 
     # -- bytes -----------------------------------------------------------------------------------------
     def to_json(self) -> dict:
-        arrays = {name: _encode_array(getattr(self, name)) for name in _ARRAYS if getattr(self, name) is not None}
+        arrays = {name: encode_array(getattr(self, name)) for name in _ARRAYS if getattr(self, name) is not None}
         return {"format": FORMAT, "version": VERSION, "model": self.model, "bank_id": self.bank_id,
                 "layer_types": list(self.layer_types), "pairing": self.pairing,
                 "quantile_levels": list(self.quantile_levels), "arrays": arrays, "meta": self.meta}
@@ -223,7 +224,7 @@ class AttentionStats:
             raise AttentionStatsError(f"{where}: arrays must be a mapping of {', '.join(_ARRAYS)}")
         arrays = {}
         for name, e in raw.items():
-            arrays[name] = _decode_array(e, f"{where}: array {name}")
+            arrays[name] = decode_array(e, f"{where}: array {name}")
         try:
             kw: dict[str, Any] = {n: arrays.get(n) for n in _ARRAYS}
             kw.update(model=d.get("model", ""), bank_id=d.get("bank_id"), layer_types=tuple(d["layer_types"]),
@@ -236,12 +237,15 @@ class AttentionStats:
             raise AttentionStatsError(f"{where}: malformed ({type(e).__name__}: {e})") from None
 
 
-def _encode_array(a) -> dict:
+def encode_array(a) -> dict:
+    """A float32 array as ``{"dtype", "shape", "data"}`` (base64 of little-endian bytes): the array
+    form of the statistics files."""
     a = np.ascontiguousarray(a, dtype="<f4")
     return {"dtype": "float32", "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode("ascii")}
 
 
-def _decode_array(e, where: str) -> np.ndarray:
+def decode_array(e, where: str) -> np.ndarray:
+    """The array of an :func:`encode_array` entry; :class:`AttentionStatsError` naming ``where``."""
     if not isinstance(e, dict) or e.get("dtype") != "float32" or not isinstance(e.get("data"), str):
         raise AttentionStatsError(f"{where}: needs dtype 'float32', shape and base64 data")
     shape = e.get("shape")
@@ -275,19 +279,27 @@ def save_attention_stats(stats: AttentionStats, path) -> Path:
     return Path(path)
 
 
-def load_attention_stats(path) -> AttentionStats:
-    """Read a sidecar; :class:`AttentionStatsError` if it is missing, not JSON or malformed."""
+def read_record(path, kind: str, max_bytes: int = _MAX_BYTES) -> tuple[dict, str]:
+    """``(JSON object, where)`` of a statistics file of ``kind`` (``"attention statistics"``: a
+    bank's sidecar; ``"capture statistics"``: a capture's record); :class:`AttentionStatsError` if
+    it is missing, larger than ``max_bytes`` or not JSON."""
     from alignpred.io import read_json
 
     p = Path(os.fspath(path))
     if not p.is_file():
-        raise AttentionStatsError(f"{p}: no attention statistics file")
-    if p.stat().st_size > _MAX_BYTES:
-        raise AttentionStatsError(f"{p}: {p.stat().st_size} bytes, more than an attention-stats file may hold")
+        raise AttentionStatsError(f"{p}: no {kind} file")
+    if p.stat().st_size > max_bytes:
+        raise AttentionStatsError(f"{p}: {p.stat().st_size} bytes, more than a file of {kind} may hold")
     d = read_json(p)
     if d is None:
         raise AttentionStatsError(f"{p}: not a readable JSON file")
-    return AttentionStats.from_json(d, where=str(p))
+    return d, str(p)
+
+
+def load_attention_stats(path) -> AttentionStats:
+    """Read a sidecar; :class:`AttentionStatsError` if it is missing, not JSON or malformed."""
+    d, where = read_record(path, "attention statistics")
+    return AttentionStats.from_json(d, where=where)
 
 
 def _bank_file(ref) -> tuple[Path, str]:

@@ -32,7 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-from alignpred.bank.attention_stats import PAIRINGS, AttentionStats, AttentionStatsError, _decode_array, _encode_array
+from alignpred.bank.attention_stats import (
+    PAIRINGS,
+    AttentionStats,
+    AttentionStatsError,
+    decode_array,
+    encode_array,
+    read_record,
+)
 
 __all__ = ["CaptureStats", "CAPTURE_SUFFIX", "capture_stats_path", "find_capture_stats", "tokens_digest",
            "fit_attention_stats", "PRIOR", "LEVELS"]
@@ -133,7 +140,7 @@ class CaptureStats:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "n_tokens": self.n_tokens,
                 "tokens_sha256": self.tokens_sha256, "layer_types": list(self.layer_types), "pairing": self.pairing,
                 "value_gram_kind": self.value_gram_kind, "meta": self.meta,
-                "arrays": {k: _encode_array(v) for k, v in arrays.items()}}
+                "arrays": {k: encode_array(v) for k, v in arrays.items()}}
 
     @classmethod
     def from_json(cls, d, where: str = "capture stats") -> CaptureStats:
@@ -148,7 +155,7 @@ class CaptureStats:
         names = ("q_channel", "mass", "sq", "value_gram_triu")
         if not isinstance(raw, dict) or set(raw) != set(names):
             raise AttentionStatsError(f"{where}: arrays must be a mapping of {', '.join(names)}")
-        arrays = {n: _decode_array(raw[n], f"{where}: array {n}") for n in names}
+        arrays = {n: decode_array(raw[n], f"{where}: array {n}") for n in names}
         try:
             q, tri = arrays["q_channel"], arrays["value_gram_triu"]
             if q.ndim != 3 or tri.shape != q.shape[:2] + (q.shape[2] * (q.shape[2] + 1) // 2,):
@@ -182,17 +189,8 @@ class CaptureStats:
     @staticmethod
     def load(path) -> CaptureStats:
         """Read a record; :class:`AttentionStatsError` if it is missing, not JSON or malformed."""
-        from alignpred.io import read_json
-
-        p = Path(os.fspath(path))
-        if not p.is_file():
-            raise AttentionStatsError(f"{p}: no capture statistics file")
-        if p.stat().st_size > _MAX_BYTES:
-            raise AttentionStatsError(f"{p}: {p.stat().st_size} bytes, more than a capture-stats file may hold")
-        d = read_json(p)
-        if d is None:
-            raise AttentionStatsError(f"{p}: not a readable JSON file")
-        return CaptureStats.from_json(d, where=str(p))
+        d, where = read_record(path, "capture statistics", _MAX_BYTES)
+        return CaptureStats.from_json(d, where=where)
 
     def check_cache(self, cache, where: str = "capture stats") -> None:
         """Raise :class:`AttentionStatsError` unless this record is of ``cache``'s prefill (same model,
