@@ -69,7 +69,7 @@ import numpy as np
 
 from ._core import Encoded, TensorCodec
 from ._pca import fit_pca_bank
-from .kvquant import _layer, _rope, rope_params
+from ._rope import key_rope, layer_index, rope_params
 
 BMAX = 8
 BIT_VALUES = (8, 7, 6, 5, 4, 3, 2, 1)  # increasing error
@@ -184,7 +184,7 @@ class CovRot(TensorCodec):
 
     def _key_weights(self, name, shape, stats):
         """Per-channel weights [H, D] for a key tensor, or None (unweighted)."""
-        li = _layer(name)
+        li = layer_index(name)
         if stats is None or li is None or not name.endswith("key"):
             return None
         H, D = int(np.prod(shape[:-2])) if len(shape) > 2 else 1, shape[-1]
@@ -197,7 +197,7 @@ class CovRot(TensorCodec):
         """[..., T, D] -> float64 [H, T, D] in the coding frame (keys pre-RoPE when frame == 'pre')."""
         X = np.asarray(x, np.float32).reshape(-1, x.shape[-2], x.shape[-1])
         if self.frame == "pre" and name.endswith("key") and rp and rp.get("roped"):
-            X = _rope(X, name, rp, inverse=True, offset=offset)
+            X = key_rope(X, name, rp, inverse=True, offset=offset)
         return X.astype(np.float64)
 
     def prepare(self, cache, calib):
@@ -352,7 +352,7 @@ class CovRot(TensorCodec):
             Y = np.matmul(y, np.swapaxes(e["U"], -1, -2)) / e["a"][:, None, :] + e["mu"][:, None, :]
             rp = ctx.get("rope")
             if self.frame == "pre" and name.endswith("key") and rp and rp.get("roped"):
-                Y = _rope(Y.astype(np.float32), name, rp, inverse=False, offset=rp["offset"] + s)
+                Y = key_rope(Y.astype(np.float32), name, rp, inverse=False, offset=rp["offset"] + s)
             out[:, s:T - r] = Y
         return out.reshape(shape)
 

@@ -51,16 +51,14 @@ outliers at run time and hence more bits - that is the method's behaviour, repor
 """
 from __future__ import annotations
 
-import json
 import math
-import re
 
 import numpy as np
 
 from ._core import Encoded, TensorCodec
+from ._rope import key_rope, rope_params
 
 OUTLIER_FRACS = (0.10, 0.05, 0.02, 0.01, 0.005, 0.002, 0.0)  # increasing error
-_LAYER = re.compile(r"layers\.(\d+)\.(key|value)$")
 
 
 class KVDict(dict):
@@ -74,41 +72,6 @@ class KVDict(dict):
 def with_metadata(tensors, metadata) -> KVDict:
     """``{name: array}`` + metadata -> a dict the codecs can read RoPE parameters from."""
     return KVDict(tensors, metadata)
-
-
-# --------------------------------------------------------------------------- RoPE metadata
-
-def rope_params(meta) -> dict | None:
-    """{'roped': bool, 'theta': [per layer], 'pairing': str, 'offset': int} from kvz-cache metadata, or None."""
-    if not meta:
-        return None
-    roped = str(meta.get("keys_roped", "false")).strip().lower() in ("true", "1", "yes")
-    if not roped:
-        return {"roped": False}
-    th = meta.get("rope_theta")
-    if th is None:
-        return None
-    th = json.loads(th) if isinstance(th, str) else th
-    th = [float(v) for v in (th if isinstance(th, (list, tuple)) else [th])]
-    return {"roped": True, "theta": th, "pairing": str(meta.get("rope_pairing", "half")),
-            "offset": int(meta.get("position_offset", 0) or 0)}
-
-
-def _layer(name: str) -> int | None:
-    m = _LAYER.search(name)
-    return int(m.group(1)) if m else None
-
-
-def _rope(x: np.ndarray, name: str, rp: dict | None, inverse: bool, offset: int | None = None) -> np.ndarray:
-    """Undo (inverse=True) or apply RoPE to keys [H, T, d] (float32); identity if no RoPE is known/needed."""
-    if not rp or not rp.get("roped"):
-        return x
-    from alignpred.cache import apply_rope
-    li = _layer(name)
-    th = rp["theta"]
-    theta = th[li] if li is not None and li < len(th) else th[-1]
-    off = rp["offset"] if offset is None else offset
-    return apply_rope(x, np.arange(off, off + x.shape[-2]), theta, inverse=inverse, pairing=rp["pairing"])
 
 
 # --------------------------------------------------------------------------- quantiser pieces
@@ -254,7 +217,7 @@ class KVQuant(TensorCodec):
         X = np.asarray(x, np.float32).reshape(-1, x.shape[-2], x.shape[-1])
         transformed = False
         if self._is_key(name) and ctx.get("rope") and ctx["rope"].get("roped"):
-            X = _rope(X, name, ctx["rope"], inverse=True, offset=offset)
+            X = key_rope(X, name, ctx["rope"], inverse=True, offset=offset)
             transformed = True
         s = min(self.sink, X.shape[1])
         return X[:, s:, :].astype(np.float64), transformed
@@ -391,7 +354,7 @@ class KVQuant(TensorCodec):
         if B is not None:
             rp = p.get("rope")
             if rp:  # re-apply RoPE at the body's own positions (offset + s, ...)
-                B = _rope(B.astype(np.float32), name, rp, inverse=False, offset=rp["offset"] + s)
+                B = key_rope(B.astype(np.float32), name, rp, inverse=False, offset=rp["offset"] + s)
             out[:, s:, :] = B
         return out.reshape(shape)
 

@@ -16,8 +16,9 @@ from scipy import integrate
 
 from kvz.benchmarks.baselines import BASELINES, REQUIRES, cast_back, nrmse
 from kvz.benchmarks.baselines._io import synthetic_cache
+from kvz.benchmarks.baselines._rope import key_rope as _rope
 from kvz.benchmarks.baselines.kivi import KIVI
-from kvz.benchmarks.baselines.kvquant import KVQuant, _rope, kmeans1d, n_outliers_per_side, rope_params, with_metadata
+from kvz.benchmarks.baselines.kvquant import KVQuant, kmeans1d, n_outliers_per_side, rope_params, with_metadata
 from kvz.benchmarks.baselines.turboquant import (
     TurboQuant,
     codebook_mse,
