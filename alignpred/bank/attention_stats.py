@@ -51,8 +51,8 @@ import numpy as np
 from alignpred.errors import BankMismatchError, KvzError
 
 __all__ = ["AttentionStats", "AttentionStatsError", "SUFFIX", "sidecar_path", "save_attention_stats",
-           "load_attention_stats", "find_attention_stats", "stats_beside", "read_record", "encode_array",
-           "decode_array", "highrate_gain", "waterfill_gain"]
+           "load_attention_stats", "find_attention_stats", "stats_beside", "read_record", "check_envelope",
+           "encode_array", "decode_array", "highrate_gain", "waterfill_gain"]
 
 FORMAT = "kvz-attention-stats"
 VERSION = 1
@@ -212,13 +212,7 @@ class AttentionStats:
 
     @classmethod
     def from_json(cls, d, where: str = "attention stats") -> AttentionStats:
-        if not isinstance(d, dict):
-            raise AttentionStatsError(f"{where}: not a JSON object")
-        if d.get("format") != FORMAT:
-            raise AttentionStatsError(f"{where}: format {d.get('format')!r}, expected {FORMAT!r}")
-        if d.get("version") != VERSION:
-            raise AttentionStatsError(f"{where}: version {d.get('version')!r} is not supported (this kvz reads "
-                                      f"{VERSION})")
+        check_envelope(d, where, FORMAT, VERSION)
         raw = d.get("arrays")
         if not isinstance(raw, dict) or set(raw) - set(_ARRAYS):
             raise AttentionStatsError(f"{where}: arrays must be a mapping of {', '.join(_ARRAYS)}")
@@ -235,6 +229,16 @@ class AttentionStats:
             raise AttentionStatsError(f"{where}: {str(e).removeprefix('attention stats: ')}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise AttentionStatsError(f"{where}: malformed ({type(e).__name__}: {e})") from None
+
+
+def check_envelope(d, where: str, fmt: str, version: int) -> None:
+    """:class:`AttentionStatsError` unless ``d`` is a JSON object of format ``fmt`` and ``version``."""
+    if not isinstance(d, dict):
+        raise AttentionStatsError(f"{where}: not a JSON object")
+    if d.get("format") != fmt:
+        raise AttentionStatsError(f"{where}: format {d.get('format')!r}, expected {fmt!r}")
+    if d.get("version") != version:
+        raise AttentionStatsError(f"{where}: version {d.get('version')!r} is not supported (this kvz reads {version})")
 
 
 def encode_array(a) -> dict:

@@ -36,6 +36,7 @@ from alignpred.bank.attention_stats import (
     PAIRINGS,
     AttentionStats,
     AttentionStatsError,
+    check_envelope,
     decode_array,
     encode_array,
     read_record,
@@ -144,13 +145,7 @@ class CaptureStats:
 
     @classmethod
     def from_json(cls, d, where: str = "capture stats") -> CaptureStats:
-        if not isinstance(d, dict):
-            raise AttentionStatsError(f"{where}: not a JSON object")
-        if d.get("format") != FORMAT:
-            raise AttentionStatsError(f"{where}: format {d.get('format')!r}, expected {FORMAT!r}")
-        if d.get("version") != VERSION:
-            raise AttentionStatsError(f"{where}: version {d.get('version')!r} is not supported (this kvz reads "
-                                      f"{VERSION})")
+        check_envelope(d, where, FORMAT, VERSION)
         raw = d.get("arrays")
         names = ("q_channel", "mass", "sq", "value_gram_triu")
         if not isinstance(raw, dict) or set(raw) != set(names):
