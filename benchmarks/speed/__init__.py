@@ -7,7 +7,7 @@ What one run measures (defaults: ``data/eval/*.safetensors``, the 2,048-token he
 caches; ``--quick``: the first two, fewer repeats, a 4,096-token prefill):
 
 1. **codecs, in process** - kvz encode (``compress``, tensor scope, eps 0.0267) and decode
-   (``KvzReader.read()`` and ``read_into`` preallocated buffers) with 1 and all threads (kvz's own
+   (``KvzReader.read()`` and ``read_into`` preallocated buffers) with 1, 2 and all threads (kvz's own
    ``threads=``), next to SZ3 (pysz, per-tensor absolute bound found by the baseline framework so every
    tensor's NRMSE <= eps, like kvz's tensor scope), FP8 e4m3 (ml_dtypes, per-tensor scale), zstd
    (level 3; level 19 decode, its encode timed once) and LMCache 0.5.6's ``AsymK16V8Codec`` (K kept
@@ -26,11 +26,18 @@ caches; ``--quick``: the first two, fewer repeats, a 4,096-token prefill):
    ``OPENBLAS_NUM_THREADS=1`` / ``OMP_NUM_THREADS=1``, interleaved; a default run slower by more than
    ``--env-tolerance`` is flagged.
 5. **break-even bandwidth** of every decoder: ``B* = (size_raw - size_c) / t_decode``, the link speed
-   below which loading the compressed file and decoding it beats loading raw bf16.
+   below which loading the compressed file and decoding it beats loading raw bf16, by core count:
+   measured at 1 and 2 threads (the codecs run on 1, 2 and all threads) and *projected* linearly to
+   16 and 64 cores (decode time = 1-thread time / cores; an assumption, marked ``projected``).
 6. **restore vs prefill** - a 16,384-token Gemma 3 270M cache is captured (the prefill, chunked as
    ``capture`` does, is timed), compressed, and restored with ``read_into`` (1 and all threads).
 7. a cProfile of one single-thread decode, and bit-identity of decodes across thread counts and
    processes.
+8. **entropy stage** - ns/symbol of kvz's rANS decode (``rans4``, the coder of its files) and of
+   ``lanes32`` on the residual symbols of the first cache (:mod:`kvz.benchmarks.entropy_lanes`'s
+   extraction and timing), next to published figures of other decoders (not measured here).
+9. **one chunk** - ``KvzReader(threads=1 | 2).read(tokens=(a, b))`` of one 256-token object range
+   (the middle chunk of the first cache): ms per chunk and the 2-thread speed-up.
 
 Results: JSON (rows, machine, load, command), a plot (Agg) and a Markdown summary.
 
@@ -40,7 +47,8 @@ bytes (the restructure check against ``0e971f0``).
 
 The package, one module per part: :mod:`.config` (settings), :mod:`.codecs` (what is timed),
 :mod:`.codec_study` (1), :mod:`.processes` with :mod:`.worker` (2, 4), :mod:`.cli_study` with
-:mod:`.cold_start` (3), :mod:`.restore` (6), :mod:`.profiling` (7), :mod:`.acceptance`,
+:mod:`.cold_start` (3), :mod:`.restore` (6), :mod:`.profiling` (7), :mod:`.entropy_stage` (8),
+:mod:`.one_chunk` (9), :mod:`.acceptance`,
 :mod:`.report` and :mod:`.plot` (the outputs), :mod:`.runner` and :mod:`.main` (the run). Names are
 loaded lazily, so the worker processes (``python -m kvz.benchmarks.speed.worker``) import only what
 they measure.
@@ -51,10 +59,12 @@ import importlib
 
 # module (relative to this package) -> the names it gives the package
 _MODULES = {
-    '.config': ('BANK', 'BATCH_FILES', 'BLAS1', 'CODECS', 'ENV_TOLERANCE', 'EPS', 'KVZ01_COMMIT', 'KVZ01_DIR', 'PRESETS', 'SCHEMA', 'SCOPE', 'SECTIONS', 'log'),
-    '.measures': ('arrays_digest', 'break_even'),
+    '.config': ('BANK', 'BATCH_FILES', 'BLAS1', 'CHUNK_THREADS', 'CODECS', 'ENV_TOLERANCE', 'EPS', 'KVZ01_COMMIT', 'KVZ01_DIR', 'PRESETS', 'PROJECTED_CORES', 'PUBLISHED_ENTROPY', 'SCHEMA', 'SCOPE', 'SECTIONS', 'log'),
+    '.measures': ('arrays_digest', 'break_even', 'ns_per_symbol', 'projected_break_even'),
     '.codecs': ('BaselineCodec', 'KvzCodec', 'LMCacheCodec', 'lmcache_status', 'make_codecs'),
-    '.codec_study': ('aggregate', 'codec_section', 'decode_identity', 'make_row'),
+    '.codec_study': ('aggregate', 'by_cores', 'codec_section', 'decode_identity', 'make_row'),
+    '.entropy_stage': ('entropy_section', 'entropy_timing', 'published_entropy', 'spaced'),
+    '.one_chunk': ('chunk_range', 'chunk_section'),
     '.processes': ('ensure_kvz01', 'run_worker', 'summarize_env', 'summarize_versions', 'version_env_section'),
     '.cli_study': ('cli_section', 'kvz_command'),
     '.restore': ('long_text', 'restore_section'),

@@ -1,5 +1,6 @@
 """Section 1: in-process encode/decode speed of every codec on every cache, interleaved rounds,
-one row per (cache, codec, op, threads), and the rows aggregated over the caches."""
+one row per (cache, codec, op, threads), the rows aggregated over the caches, and the break-even link
+speed by core count (measured at 1 and 2 threads, projected linearly to 16 and 64 cores)."""
 from __future__ import annotations
 
 import math
@@ -10,8 +11,8 @@ import numpy as np
 
 from ..harness import Op, run_interleaved, thread_counts, timing
 from .codecs import KvzCodec, lmcache_status, make_codecs
-from .config import CODECS, EPS, log
-from .measures import arrays_digest, break_even
+from .config import CODECS, EPS, PROJECTED_CORES, log
+from .measures import arrays_digest, break_even, projected_break_even
 
 
 def codec_section(caches: list[tuple[str, Any]], bank, *, codecs=CODECS, threads: list[int] | None = None,
@@ -105,6 +106,8 @@ def make_row(cache: str, codec: str, op: str, threads: int, n: int, raw: int, q:
         row["break_even_Bps"] = b
         b = break_even(raw, q["bytes"], row["cpu_s"] / max(threads, 1)) if threads == 1 else None
         row["break_even_Bps_cpu"] = b
+        if threads == 1:  # projected, not measured: the 1-thread wall time / cores
+            row.update(projected_break_even(raw, q["bytes"], row["wall_s"]))
     if note:
         row["note"] = note
     return row
@@ -133,5 +136,27 @@ def aggregate(rows: list[dict]) -> list[dict]:
         if op.startswith("decode"):
             row["break_even_Bps"] = break_even(raw, nb, wall)
             row["break_even_Bps_cpu"] = break_even(raw, nb, cpu) if th == 1 else None
+            if th == 1:
+                row.update(projected_break_even(raw, nb, wall))
+        out.append(row)
+    return out
+
+
+def by_cores(agg: list[dict], measured=(1, 2), cores=PROJECTED_CORES) -> list[dict]:
+    """The break-even link speed of every decoder by core count, from the aggregate rows: measured
+    (wall) at the ``measured`` thread counts (None where not run), and projected to ``cores`` by
+    linear scaling of the 1-thread decode time (``projected`` in the keys: assumed, not measured)."""
+    out = []
+    for r1 in agg:
+        if r1["cache"] != "all" or not r1["op"].startswith("decode") or r1["threads"] != 1:
+            continue
+        row = {"codec": r1["codec"], "op": r1["op"], "bpv": r1["bpv"], "raw_bytes": r1["raw_bytes"],
+               "bytes": r1["bytes"], "n_values": r1["n_values"]}
+        for th in measured:
+            rt = next((r for r in agg if r["cache"] == "all" and r["codec"] == r1["codec"] and r["op"] == r1["op"]
+                       and r["threads"] == th), None)
+            row[f"decode_s_t{th}"] = rt["wall_s"] if rt else None
+            row[f"break_even_Bps_t{th}"] = rt["break_even_Bps"] if rt else None
+        row.update(projected_break_even(r1["raw_bytes"], r1["bytes"], r1["wall_s"], cores))
         out.append(row)
     return out

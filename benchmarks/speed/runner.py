@@ -29,9 +29,11 @@ from ..harness import (
 from ..harness.machine import THREAD_VARS
 from .acceptance import acceptance
 from .cli_study import cli_section
-from .codec_study import aggregate, codec_section
+from .codec_study import aggregate, by_cores, codec_section
 from .codecs import KvzCodec, lmcache_status
-from .config import BANK, CODECS, EPS, KVZ01_COMMIT, KVZ01_DIR, PRESETS, SCHEMA, SCOPE, SECTIONS, log
+from .config import BANK, CHUNK_THREADS, CODECS, EPS, KVZ01_COMMIT, KVZ01_DIR, PRESETS, SCHEMA, SCOPE, SECTIONS, log
+from .entropy_stage import entropy_section
+from .one_chunk import chunk_section
 from .plot import write_plot
 from .processes import ensure_kvz01, summarize_env, summarize_versions, version_env_section
 from .profiling import bound_section, profile_decode
@@ -98,7 +100,7 @@ def run(preset: str = "full", caches: list[str] | None = None, *, bank: str = BA
     ok, why = lmcache_status()
     res["lmcache"] = {"available": ok, "detail": why}
     n_all = res["machine"]["all_threads"]
-    threads = thread_counts(n_all)
+    threads = sorted(set(thread_counts(n_all)) | ({2} if n_all >= 2 else set()))  # 1, 2 and all
     _warm_kvz(kbank)
     res["cpu_probe_start"] = cpu_probe()
     log(f"CPU probe: {res['cpu_probe_start']}")
@@ -129,6 +131,15 @@ def run(preset: str = "full", caches: list[str] | None = None, *, bank: str = BA
                            enc_rounds=cfg["enc_rounds"], progress=progress)
         res["rows"], res["skipped"], res["identity"] = cs["rows"], cs["skipped"], cs["identity"]
         res["aggregate"] = aggregate(cs["rows"])
+        res["break_even_by_cores"] = by_cores(res["aggregate"])
+        save()
+    if "entropy" in sections:
+        log("entropy stage (rans4, lanes32) ...")
+        res["entropy"] = entropy_section(paths[0], objects=cfg["entropy_objects"], rounds=cfg["entropy_rounds"])
+        save()
+    if "chunk" in sections and "kvz" in codecs:
+        log(f"one chunk on {CHUNK_THREADS} threads ...")
+        res["chunk"] = chunk_section(loaded[0][0], loaded[0][1], kbank, rounds=cfg["chunk_rounds"], progress=progress)
         save()
     if "profile" in sections and "kvz" in codecs:
         c = KvzCodec(loaded[0][1], kbank)
@@ -204,6 +215,7 @@ def render(json_path: str, plot_out: str | None = None, md_out: str | None = Non
     res = read_json(json_path)
     if res.get("rows"):
         res["aggregate"] = aggregate(res["rows"])
+        res["break_even_by_cores"] = by_cores(res["aggregate"])
     pr = res.get("processes")
     if pr and pr.get("runs"):
         pr["summary"], pr["env"] = summarize_versions(pr["runs"]), summarize_env(pr["runs"])

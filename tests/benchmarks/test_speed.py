@@ -161,3 +161,119 @@ def test_bench_speed_only_without_eval_caches(monkeypatch, tmp_path):
 def test_cpu_probe():
     p = S.cpu_probe(0.05)
     assert p["1"]["cpu_over_wall"] > 0 and p["scaling"] > 0 and set(p) >= {"1", "scaling"}
+
+
+def test_projected_break_even_and_rows():
+    # 1,000 raw bytes vs 200 compressed, 0.8 s on one thread: 16 cores -> 0.05 s, 800 / 0.05 = 16,000 B/s
+    p = S.projected_break_even(1000, 200, 0.8)
+    assert set(p) == {f"{k}_projected_{c}c" for k in ("decode_s", "break_even_Bps") for c in S.PROJECTED_CORES}
+    assert p["decode_s_projected_16c"] == pytest.approx(0.05) and p["break_even_Bps_projected_16c"] == pytest.approx(16000)
+    assert p["decode_s_projected_64c"] == pytest.approx(0.0125) and p["break_even_Bps_projected_64c"] == pytest.approx(64000)
+    assert S.projected_break_even(100, 100, 0.8)["break_even_Bps_projected_64c"] is None  # never worth it
+    q = {"bytes": 200, "nrmse_pooled": 0.01, "nrmse_max_tensor": 0.02}
+    r1 = S.make_row("a", "kvz", "decode", 1, 500, 1000, q, S.timing([0.8], [0.7]))
+    r2 = S.make_row("a", "kvz", "decode", 2, 500, 1000, q, S.timing([0.5], [0.9]))
+    re = S.make_row("a", "kvz", "encode", 1, 500, 1000, q, S.timing([2.0], [2.0]))
+    assert r1["break_even_Bps_projected_16c"] == S.break_even(1000, 200, 0.8 / 16)
+    assert not any("projected" in k for k in r2) and not any("projected" in k for k in re)  # 1-thread decodes only
+    rows = [r1, r2, re, S.make_row("b", "kvz", "decode", 1, 500, 1000, q, S.timing([1.2], [1.0])),
+            S.make_row("a", "fp8", "decode", 1, 500, 1000, {**q, "bytes": 500}, S.timing([0.1], [0.1]))]
+    agg = S.aggregate(rows)
+    by = {r["codec"]: r for r in S.by_cores(agg)}
+    assert set(by) == {"kvz", "fp8"}  # one row per decoder, none for encodes
+    k = by["kvz"]  # caches a and b: 2,000 raw bytes, 400 compressed, 2.0 s on one thread
+    assert k["decode_s_t1"] == pytest.approx(2.0) and k["break_even_Bps_t1"] == pytest.approx(1600 / 2.0)
+    assert k["decode_s_t2"] == pytest.approx(0.5) and k["break_even_Bps_t2"] == pytest.approx(800 / 0.5)  # cache a only
+    assert k["break_even_Bps_projected_64c"] == pytest.approx(1600 / (2.0 / 64))
+    assert by["fp8"]["decode_s_t2"] is None and by["fp8"]["break_even_Bps_t2"] is None  # not run at 2 threads
+    assert by["fp8"]["break_even_Bps_projected_16c"] == pytest.approx(500 / (0.1 / 16))
+
+
+def test_ns_per_symbol_and_published_figures():
+    assert S.ns_per_symbol(1 / 1.073741824) == pytest.approx(1.0)
+    assert S.ns_per_symbol(3.0) == pytest.approx(0.3104, abs=1e-4)
+    assert S.ns_per_symbol(2.5) == pytest.approx(1 / 2.684354560)
+    assert S.ns_per_symbol(1.0, bytes_per_symbol=4) == pytest.approx(4 * S.ns_per_symbol(1.0))
+    pub = S.published_entropy()
+    assert [p["gib_per_s"] for p in pub] == [3.0, 1.8, 2.3, 2.5] and not any(p["measured_here"] for p in pub)
+    assert {p["source"] for p in pub} == {"hypersonic-rANS", "htscodecs", "zstd"}
+    from kvz.benchmarks.entropy_lanes import PUBLISHED  # the same figures, given there in ns/symbol
+
+    assert sorted(round(p["ns_per_symbol"], 2) for p in pub) == pytest.approx(sorted(PUBLISHED.values()), abs=0.011)
+    assert S.spaced(list(range(10)), 3) == [0, 4, 9] and S.spaced([1, 2], 0) == [1, 2] and S.spaced([1, 2, 3], 1) == [2]
+
+
+def test_entropy_timing_on_synthetic_objects():
+    from alignpred import entropy
+    from kvz.benchmarks.bench_entropy import typical_object
+
+    rng = np.random.default_rng(3)
+    objs = [(q, entropy.choose_models(q)) for q in (typical_object(rng, 8, 256), typical_object(rng, 4, 256))]
+    e = S.entropy_timing(objs, rounds=1)
+    assert e["symbols"] == 8 * 256 + 4 * 256 and e["same_symbols"] and e["rans4_bits_per_symbol"] > 0
+    assert {"rans4", "lanes32 vectorised", "lanes32 portable"} <= set(e["timing"])
+    assert all(0 < t["ns_per_symbol_min"] <= t["ns_per_symbol_median"] for t in e["timing"].values())
+
+
+def test_chunk_range():
+    assert S.chunk_range(2048, 256) == (1024, 1280)
+    assert S.chunk_range(300, 256) == (256, 300) and S.chunk_range(200, 256) == (0, 200)
+
+
+def test_one_chunk_section(tiny):
+    cache, bank = tiny
+    ch = S.chunk_section("tiny", cache, bank, threads=(1, 2), rounds=2, progress=False)
+    a, b = ch["tokens"]
+    assert (a, b) == S.chunk_range(300, ch["object_size"]) and ch["identical"]
+    assert ch["n_values"] == cache.layout.n_values * (b - a) // 300
+    assert set(ch["ms_per_chunk"]) == {"1", "2"} and all(v > 0 for v in ch["ms_per_chunk"].values())
+    assert ch["speedup"]["1"] == 1.0
+    assert ch["speedup"]["2"] == pytest.approx(ch["times"]["1"]["wall_s"] / ch["times"]["2"]["wall_s"])
+    assert ch["times"]["2"]["repeats"] == 2
+
+
+def _report_res():
+    q = {"bytes": 200, "nrmse_pooled": 0.01, "nrmse_max_tensor": 0.02}
+    rows = [S.make_row("a", "kvz", "decode", 1, 500, 1000, q, S.timing([0.8], [0.7])),
+            S.make_row("a", "kvz", "decode", 2, 500, 1000, q, S.timing([0.5], [0.9])),
+            S.make_row("a", "zstd-3", "decode", 1, 500, 1000, {**q, "bytes": 900}, S.timing([0.1], [0.1]))]
+    agg = S.aggregate(rows)
+    t = {"ns_per_symbol_min": 4.25, "ns_per_symbol_median": 4.5}
+    return {"command": "test", "quick": True, "created": "now", "machine": {"all_threads": 2},
+            "settings": {"rounds": 1, "enc_rounds": 1}, "n_caches": 1, "tokens": 300, "rows": rows,
+            "aggregate": agg, "break_even_by_cores": S.by_cores(agg), "wall_s": 1.0, "notes": [],
+            "entropy": {"cache": "a", "objects": 10, "timed_objects": 2, "symbols": 1024, "rounds": 1,
+                        "rans4_bits_per_symbol": 3.5, "isa": "avx2", "same_symbols": True,
+                        "timing": {"rans4": t}, "published": S.published_entropy()},
+            "chunk": {"cache": "a", "tokens": [256, 512], "object_size": 256, "n_values": 123456, "rounds": 3,
+                      "identical": True, "ms_per_chunk": {"1": 144.0, "2": 98.5},
+                      "ms_per_chunk_cpu": {"1": 140.0, "2": 190.0}, "speedup": {"1": 1.0, "2": 144.0 / 98.5}}}
+
+
+def test_markdown_break_even_entropy_and_chunk_tables():
+    md = S.markdown(_report_res())
+    lines = md.splitlines()
+    head = next(x for x in lines if x.startswith("| codec | op | bpv | 1 thread (measured)"))
+    assert "2 threads (measured)" in head and "16 cores (projected" in head and "64 cores (projected" in head
+    kvz = next(x for x in lines if x.startswith("| kvz | decode | 3.200 | ") and "projected" not in x
+               and x.count("|") == head.count("|"))
+    assert len(kvz.split(" | ")) == 7 and kvz.endswith(" Gbit/s |")  # 1, 2 threads, 16, 64 cores (values below)
+    zs = next(x for x in lines if x.startswith("| zstd-3 | decode | 14.400 | ") and x.count("|") == head.count("|"))
+    assert zs.split(" | ")[4] == "-"  # not run at 2 threads
+    assert "| rans4 | kvz (this run) | - | 4.25 (4.50) | measured here |" in md
+    assert "| 32x64 lanes, 10-12-bit probabilities | hypersonic-rANS | 3 | 0.31 | published, not measured here |" in md
+    assert "| Huff0 | zstd | 2.5 | 0.37 | published, not measured here |" in md
+    assert "| 1 | 144.0 | 140.0 | 1.00x |" in md and "| 2 | 98.5 | 190.0 | 1.46x |" in md
+
+
+def test_markdown_break_even_values_in_gbit():
+    res = _report_res()
+    for r in res["break_even_by_cores"]:  # scale the sizes so the figures print with digits
+        for k in list(r):
+            if k.startswith("break_even_Bps") and r[k] is not None:
+                r[k] *= 1e9
+    lines = S.markdown(res).splitlines()
+    head = next(x for x in lines if x.startswith("| codec | op | bpv | 1 thread (measured)"))
+    kvz = next(x for x in lines if x.startswith("| kvz | decode | 3.200 | ") and x.count("|") == head.count("|"))
+    # 1e9 x (1,000 - 200) B / 0.8 s = 1e12 B/s = 8,000 Gbit/s; 2 threads / 0.5 s; x16; x64
+    assert kvz.split(" | ")[3:] == ["8000.00 Gbit/s", "12800.00 Gbit/s", "128000.00 Gbit/s", "512000.00 Gbit/s |"]

@@ -1,0 +1,67 @@
+"""The entropy stage's decode speed in ns/symbol, measured in the speed run on the real residual symbols
+of a held-out cache, next to published figures of other single-thread static-model decoders.
+
+The symbols and the timing come from :mod:`kvz.benchmarks.entropy_lanes` (``real_objects``: the cache
+compressed at eps 0.0267 with the bundled bank, every object's payload decoded back to its symbols
+through the public reader and entropy API; ``time_decoders``: the decoders interleaved call by call,
+per object the minimum and the median over rounds, summed). Timed here: ``rans4`` (the coder kvz
+writes by default, the one in the benchmark's files) and ``lanes32`` (vectorised and portable)."""
+from __future__ import annotations
+
+import time
+
+from .config import PUBLISHED_ENTROPY, log
+from .measures import ns_per_symbol
+
+
+def published_entropy(table=PUBLISHED_ENTROPY) -> list[dict]:
+    """The published figures (8-bit symbols) as ns/symbol; ``measured_here`` is False for all."""
+    return [{"decoder": d, "source": src, "gib_per_s": g, "ns_per_symbol": ns_per_symbol(g), "measured_here": False}
+            for d, src, g in table]
+
+
+def spaced(objs: list, k: int) -> list:
+    """``k`` of ``objs`` evenly spaced (first and last included); all of them for ``k <= 0`` or ``k >= len``."""
+    if k <= 0 or k >= len(objs):
+        return list(objs)
+    if k == 1:
+        return [objs[len(objs) // 2]]
+    return [objs[round(i * (len(objs) - 1) / (k - 1))] for i in range(k)]
+
+
+def entropy_timing(objs: list, rounds: int) -> dict:
+    """ns/symbol of the rans4 and lanes32 decoders on ``objs`` (``[(q, model_ids)]``), with whether
+    every decoder gives back the symbols."""
+    import numpy as np
+
+    from alignpred import entropy
+
+    from ..entropy_lanes import lanes_decoders, time_decoders
+
+    r4 = {id(q): entropy.encode(q, ids) for q, ids in objs}
+
+    def rans4(q, ids, out):
+        entropy.decode(r4[id(q)], ids, q.shape, out=out)
+
+    decs, lanes_ok = lanes_decoders(objs)
+    ok = lanes_ok and all(np.array_equal(entropy.decode(r4[id(q)], ids, q.shape), q) for q, ids in objs)
+    n = int(sum(q.size for q, _ in objs))
+    return {"symbols": n, "timed_objects": len(objs), "rounds": rounds, "isa": entropy.lanes_isa(),
+            "rans4_bits_per_symbol": 8 * sum(len(b) for b in r4.values()) / n, "same_symbols": bool(ok),
+            "timing": time_decoders(objs, {"rans4": rans4, **decs}, rounds)}
+
+
+def entropy_section(cache_path: str, *, objects: int = 0, rounds: int = 5) -> dict:
+    """The entropy stage on one held-out cache: ``objects`` of its coded objects (evenly spaced; 0 = all)
+    timed ``rounds`` calls each, and the published figures."""
+    from ..entropy_lanes import real_objects
+    from ..harness import stem
+
+    t0 = time.perf_counter()
+    objs = real_objects([cache_path], log=log)
+    res = entropy_timing(spaced(objs, objects), rounds)
+    res.update({"cache": stem(cache_path), "objects": len(objs), "published": published_entropy(),
+                "section_s": time.perf_counter() - t0})
+    log(f"entropy stage: rans4 {res['timing']['rans4']['ns_per_symbol_min']:.2f} ns/symbol "
+        f"({res['symbols']:,} symbols, {res['section_s']:.1f} s)")
+    return res
