@@ -81,6 +81,7 @@ def _model():
 # ============================================================================ fit the sidecar
 def fit(out: Path, tokens: int, bank_name: str) -> dict:
     from alignpred.bank import AttentionStats, resolve_bank
+    from kvz.integrations.hf.bridge import text_config
     from kvz.integrations.hf.querystats import record_query_stats, value_grams
 
     bank = resolve_bank(bank_name)
@@ -114,7 +115,7 @@ def fit(out: Path, tokens: int, bank_name: str) -> dict:
                            quantile_levels=LEVELS, token_prior_sq=np.mean(prior_sq, axis=0),
                            token_quantiles_sq=np.quantile(np.concatenate(later_sq, -1), LEVELS,
                                                           axis=-1).transpose(1, 2, 0),
-                           meta={})
+                           meta={}, sliding_window=int(getattr(text_config(m), "sliding_window", 0) or 0))
     kw = stats.key_weights()
     key_frame = np.stack([[_frame_diag(_rotation(bank, f"K.{i}.{g}", d), kw[i, g]) for g in range(H)]
                           for i in range(L)])

@@ -82,14 +82,17 @@ def cli():
 @click.argument("src", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="Output .kvz (default: SRC with .kvz).")
 @click.option("--eps", type=float, default=None, help="Relative Frobenius error bound (NRMSE)  [default: 0.03]")
-@click.option("--eps-scope", type=click.Choice(["object", "tensor", "pooled", "weighted"]), default="tensor",
-              show_default=True,
-              help="Unit that must meet eps: each 256-token object, each tensor, the whole cache, or the whole cache "
-                   "with "
-                   "each tensor weighted by its measured effect on the model's output (the bank's sensitivity record).")
+@click.option("--eps-scope", type=click.Choice(["object", "tensor", "pooled", "weighted", "attention"]),
+              default="tensor", show_default=True,
+              help="Unit that must meet eps: each 256-token object, each tensor, the whole cache, the whole cache "
+                   "with each tensor weighted by its measured effect on the model's output (weighted: the bank's "
+                   "sensitivity record), or that plus the error of every channel and position weighted by what "
+                   "attention reads of it (attention, format 1.3: the bank's attention statistics; positions a "
+                   "sliding-window layer never attends again are coded coarsely, so read such a file to continue "
+                   "after its last position, not as a shorter prefix).")
 @click.option("--target-kl", type=float, default=None,
-              help="Ask for a mean next-token KL divergence instead of an NRMSE (weighted scope; needs the bank's "
-                   "sensitivity record).")
+              help="Ask for a mean next-token KL divergence instead of an NRMSE (weighted scope, or attention with "
+                   "--eps-scope attention; needs the bank's sensitivity record).")
 @click.option("--bank", type=click.Path(dir_okay=False), help="Calibration bank (.h5) fitted on other caches.")
 @click.option("--self-calibrate", is_flag=True, help="Fit a bank on this cache and embed it (counted in bpv).")
 @click.option("--rank", type=int, default=16, show_default=True, help="Map rank for --self-calibrate (0 = full).")
@@ -164,7 +167,8 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
                      if info.nrmse_weighted is not None else "")
     _emit(res, as_json, [f"{out}: {info.file_bytes} bytes, {info.bpv:.3f} bits/value "
                          f"({src_bits / info.bpv:.2f}x smaller than the {cache.layout.dtype} input)",
-                         f"error: pooled NRMSE {info.nrmse_pooled:.6f}, worst tensor {info.nrmse_max_tensor:.6f} "
+                         f"error{' (attention-weighted measure)' if eps_scope == 'attention' else ''}: pooled NRMSE "
+                         f"{info.nrmse_pooled:.6f}, worst tensor {info.nrmse_max_tensor:.6f} "
                          f"(eps {eps:.6g}, scope {eps_scope}"
                          f"{cap_note})"
                          f"{weighted_note}"
@@ -332,6 +336,13 @@ def inspect(src, as_json, check):
              "tiers: " + ", ".join(f"{t} {8 * s['tier_payload_bytes'][t] / s['n_values']:.3f} bpv"
                                    for t in s["tiers"]),
              f"{'tensor':<20} {'nrmse':>9} {'bpv':>7} {'worst object':>13}"]
+    if s["error_measure"] == "attention":
+        cfg = s["config"]
+        stale = (f"; in sliding-window layers, positions before the last {cfg['stale_window'] - 1} at step x "
+                 f"{cfg['stale_scale']:g} (never attended again)" if cfg.get("stale_window") else "")
+        lines.insert(-1, "error measure: attention-weighted (every value's error and norm weighted by 1 / its step "
+                         f"multiplier squared: channels by the bank's query and W_o statistics{stale}); the NRMSE "
+                         "columns are in that measure")
     for name, t in s["tensors"].items():
         lines.append(f"{name:<20} {t['nrmse']:9.6f} {t['bpv_payload']:7.3f} {t['max_object_nrmse']:13.6f}")
     _emit(s, as_json, lines)

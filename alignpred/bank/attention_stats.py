@@ -16,6 +16,9 @@ Per layer ``l`` and KV head ``g`` (``d = head_dim``):
   quantises: ``diag(Rᵀ W R)`` with the block's GPA rotation ``R`` (``W`` the key weights as a
   diagonal, ``G`` for values); independent quantisation errors per frame channel cost
   ``Σ_c frame[c] d_c``.
+* ``sliding_window``: the attention window of the model's sliding-window layers (``layer_types``
+  naming ``sliding``), 0 when it has none or it is not known: the attention scope codes positions
+  such a layer never attends again more coarsely (:mod:`alignpred.codec.channel_steps`).
 * ``token_prior[l, g, j]``: attention mass received by the first ``P`` positions relative to the
   mean (the mass of position ``j`` times the number of positions: 1 = an average token), mean over
   the calibration prefills; ``token_quantiles[l, g, :]`` the quantiles (``quantile_levels``) of
@@ -90,6 +93,7 @@ class AttentionStats:
     token_prior_sq: np.ndarray | None = None
     token_quantiles_sq: np.ndarray | None = None
     meta: dict = field(default_factory=dict)
+    sliding_window: int = 0  # the model's attention window of its sliding layers (0: none or unknown)
 
     def __post_init__(self):
         for name in _ARRAYS:
@@ -148,6 +152,9 @@ class AttentionStats:
                 raise AttentionStatsError(f"attention stats: {name} holds negative or non-finite values")
         if not isinstance(self.meta, dict):
             raise AttentionStatsError("attention stats: meta must be a mapping")
+        sw = self.sliding_window
+        if isinstance(sw, bool) or not isinstance(sw, int) or sw < 0:
+            raise AttentionStatsError(f"attention stats: sliding_window {sw!r} is not a non-negative integer")
 
     @classmethod
     def empty(cls, model: str, bank_id: str, layer_types, *, kv_heads: int, head_dim: int, prior: int = 8,
@@ -208,7 +215,8 @@ class AttentionStats:
         arrays = {name: encode_array(getattr(self, name)) for name in _ARRAYS if getattr(self, name) is not None}
         return {"format": FORMAT, "version": VERSION, "model": self.model, "bank_id": self.bank_id,
                 "layer_types": list(self.layer_types), "pairing": self.pairing,
-                "quantile_levels": list(self.quantile_levels), "arrays": arrays, "meta": self.meta}
+                "quantile_levels": list(self.quantile_levels), "arrays": arrays, "meta": self.meta,
+                **({"sliding_window": self.sliding_window} if self.sliding_window else {})}
 
     @classmethod
     def from_json(cls, d, where: str = "attention stats") -> AttentionStats:
@@ -223,7 +231,7 @@ class AttentionStats:
             kw: dict[str, Any] = {n: arrays.get(n) for n in _ARRAYS}
             kw.update(model=d.get("model", ""), bank_id=d.get("bank_id"), layer_types=tuple(d["layer_types"]),
                       pairing=d.get("pairing", "half"), quantile_levels=tuple(d["quantile_levels"]),
-                      meta=d.get("meta", {}))
+                      meta=d.get("meta", {}), sliding_window=d.get("sliding_window", 0))
             return cls(**kw)
         except AttentionStatsError as e:
             raise AttentionStatsError(f"{where}: {str(e).removeprefix('attention stats: ')}") from None
@@ -309,14 +317,17 @@ def load_attention_stats(path) -> AttentionStats:
 def _bank_file(ref) -> tuple[Path, str]:
     """``(bank file, bank id)`` of a bank reference: a path, a registry name or id, or a loaded
     :class:`~alignpred.bank.bank.Bank` registered in a search folder."""
-    from alignpred.bank.registry import lookup
+    from alignpred.bank.registry import loaded_from, lookup
     from alignpred.io import read_bank_attrs
 
-    if hasattr(ref, "id") and hasattr(ref, "arrays"):  # a Bank
+    if hasattr(ref, "id") and hasattr(ref, "arrays"):  # a Bank: registered, or loaded from a file by path
         e = lookup(ref.id)
-        if e is None:
+        if e is not None:
+            return Path(e.path), e.id
+        paths = loaded_from(ref.id)
+        if not paths:
             raise BankMismatchError(f"bank {ref.id[:19]}… is not in the registry; give the bank file's path")
-        return Path(e.path), e.id
+        return Path(paths[0]), ref.id
     s = os.fspath(ref)
     if os.path.sep in s or s.endswith(".h5") or os.path.exists(s):
         p = Path(s)

@@ -296,4 +296,7 @@ def fit_attention_stats(captures, bank, *, prior: int = PRIOR, levels=LEVELS,
     info.update(meta or {})
     from dataclasses import replace
 
-    return replace(stats, key_frame=np.maximum(key_frame, 0.0), value_frame=np.maximum(value_frame, 0.0), meta=info)
+    # the model's sliding window, as the captures recorded it (0: none recorded)
+    window = max(int(c.meta.get("sliding_window", 0) or 0) for c in caps)
+    return replace(stats, key_frame=np.maximum(key_frame, 0.0), value_frame=np.maximum(value_frame, 0.0), meta=info,
+                   sliding_window=window)

@@ -304,6 +304,11 @@ def add(path, name: str | None = None, force: bool = False) -> BankEntry:
 _LOADED_FROM: dict[str, set[str]] = {}
 
 
+def loaded_from(bank_id: str) -> list[str]:
+    """The bank files (absolute paths) this process loaded the bank ``bank_id`` from by path."""
+    return sorted(_LOADED_FROM.get(bank_id, ()))
+
+
 def sensitivity(bank_id: str, model: str = "") -> dict | None:
     """The downstream-sensitivity record of a bank (``<stem>.sensitivity.json`` beside a bank file
     loaded by path, or beside a registered bank; matched by ``bank_id``; written by ``kvz calibrate
@@ -311,7 +316,7 @@ def sensitivity(bank_id: str, model: str = "") -> dict | None:
     weighted scope and ``target_kl``. None if there is none."""
     from alignpred.io import read_json
 
-    candidates = [p for f in sorted(_LOADED_FROM.get(bank_id, ()))
+    candidates = [p for f in loaded_from(bank_id)
                   if (p := Path(f).with_suffix(".sensitivity.json")).is_file()]
     for _, d in search_dirs():
         if d.is_dir():

@@ -22,12 +22,14 @@ import numpy as np
 
 from alignpred.errors import KvzError
 
-__all__ = ["ErrorBudget", "SCOPES", "JOINT", "TENSOR_CAP", "DEFAULT_EPS", "TensorMeta"]
+__all__ = ["ErrorBudget", "SCOPES", "JOINT", "WEIGHTED", "TENSOR_CAP", "DEFAULT_EPS", "STEP_UNIT", "TensorMeta"]
 
-SCOPES = ("object", "tensor", "pooled", "weighted")
-JOINT = ("pooled", "weighted")  # scopes whose budget spans the whole cache
+SCOPES = ("object", "tensor", "pooled", "weighted", "attention")
+JOINT = ("pooled", "weighted", "attention")  # scopes whose budget spans the whole cache
+WEIGHTED = ("weighted", "attention")  # scopes whose budget weighs tensors by their effect on the model
 TENSOR_CAP = 3.0  # joint scopes: default cap of every tensor's NRMSE, in multiples of eps
 DEFAULT_EPS = 0.03  # what `kvz compress` uses when neither --eps nor --target-kl is given
+STEP_UNIT = 32  # tensors[].step_codes: a channel's step multiplier is code / STEP_UNIT (code 1..255)
 
 
 def _number(v) -> bool:
@@ -61,7 +63,7 @@ class ErrorBudget:
                 raise KvzError("give eps or target_kl, not both")
             if not (_number(self.target_kl) and self.target_kl > 0):
                 raise KvzError(f"target_kl must be a positive number, got {self.target_kl!r}")
-            if self.scope != "weighted":
+            if self.scope not in WEIGHTED:
                 object.__setattr__(self, "scope", "weighted")
         elif self.eps is None:
             raise KvzError("give the error bound eps (e.g. eps=0.03) or a quality target target_kl")
@@ -70,8 +72,8 @@ class ErrorBudget:
         if not (_number(self.tensor_cap) and (self.tensor_cap == 0 or 1.0 <= self.tensor_cap < 1e6)):
             raise KvzError(f"tensor_cap must be 0 (no cap) or a number >= 1, got {self.tensor_cap!r}")
         if self.weights is not None:
-            if self.scope != "weighted":
-                raise KvzError("tensor weights are used by the weighted scope only")
+            if self.scope not in WEIGHTED:
+                raise KvzError("tensor weights are used by the weighted and attention scopes only")
             if not isinstance(self.weights, dict):
                 raise KvzError("weights must be a mapping {tensor name: positive weight}")
 
@@ -95,7 +97,7 @@ class ErrorBudget:
     def tensor_weights(self, names, bank) -> np.ndarray | None:
         """Per-tensor weights in ``names`` order (weighted scope; from the bank's sensitivity
         record when none were given), or None for the other scopes."""
-        if self.scope != "weighted":
+        if self.scope not in WEIGHTED:
             return None
         from alignpred.bank.registry import sensitivity
 
@@ -138,3 +140,11 @@ class TensorMeta:
     sq_norm: float = 0.0
     objects: list = field(default_factory=list, repr=False)
     refine_models: np.ndarray | None = None  # uint8 [kv_heads * head_dim]: refinement tier's models
+    step_codes: np.ndarray | None = None  # uint8 [kv_heads * head_dim] in 1..255 (config.channel_steps)
+
+    def channel_steps(self, head: int, head_dim: int) -> np.ndarray | None:
+        """Head ``head``'s per-channel step multipliers ``step_codes / 32`` (float32 [head_dim],
+        exact), or None when the tensor has none."""
+        if self.step_codes is None:
+            return None
+        return self.step_codes[head * head_dim:(head + 1) * head_dim].astype(np.float32) / np.float32(STEP_UNIT)

@@ -34,6 +34,12 @@ class CodecConfig:
     1.1: integer map products and platform-independent RoPE tables; the decoded bits are the
     same on every machine and thread count; the default) or ``float`` (format 1.0: BLAS
     products; the default with ``align``, whose rotations are float products).
+    ``channel_steps`` (format 1.3): every tensor carries a step multiplier per channel
+    (``tensors[].step_codes``, ``code / 32``), so the error goes where the model reads it (the
+    ``attention`` scope sets it; exact arithmetic only). ``stale_window`` / ``stale_scale``
+    (format 1.3): in sliding-window layers (``layout.layer_types`` naming ``sliding``), positions
+    that no later query attends — older than the last ``stale_window - 1`` positions of the file
+    — are quantised with the step times ``stale_scale`` (``stale_window = 0``: off).
     A header without a key means its kvz 0.1 value (sink off, file origin, float).
     """
 
@@ -49,6 +55,9 @@ class CodecConfig:
     sink_scale: float = 0.0625
     sink_origin: str = "absolute"
     arith: str = ""  # "" = auto: "exact", or "float" with align
+    channel_steps: bool = False
+    stale_window: int = 0
+    stale_scale: float = 1.0
 
     def __post_init__(self):
         scale = float(self.sink_scale)
@@ -64,6 +73,14 @@ class CodecConfig:
         if self.align and self.arith == "exact":
             raise KvzError("align (GPA rotations) needs arith='float' (format 1.0): the rotation back to the native "
                            "frame is a float product whose rounding varies between machines")
+        stale = float(self.stale_scale)
+        if not (isinstance(self.stale_window, int) and not isinstance(self.stale_window, bool)
+                and self.stale_window >= 0 and 1.0 <= stale <= 256.0 and float(np.float32(stale)) == stale):
+            raise KvzError("stale_window must be >= 0 and stale_scale a float32 in [1, 256]")
+        if self.stale_window and self.arith != "exact":
+            raise KvzError("stale_window (coarser steps for positions no query reads) needs exact arithmetic")
+        if self.channel_steps and self.arith != "exact":
+            raise KvzError("channel_steps (per-channel step multipliers) needs exact arithmetic (format 1.1+)")
         if not (isinstance(self.object_size, int) and 2 <= self.object_size <= 1 << 16 and self.object_size % 2 == 0):
             raise KvzError("object_size must be an even integer in 2..65536")
 
@@ -76,6 +93,10 @@ class CodecConfig:
             del d["sink_origin"]
         if self.arith == "float":
             del d["arith"]
+        if not self.channel_steps:  # 1.3 switches: files without them stay readable by 1.1/1.2 readers
+            del d["channel_steps"]
+        if not self.stale_window:
+            del d["stale_window"], d["stale_scale"]
         return d
 
     @classmethod
@@ -92,6 +113,21 @@ class CodecConfig:
         """How many rows from file position ``start`` lie in the sink."""
         origin = start + (position_offset if self.sink_origin == "absolute" else 0)
         return max(0, self.sink_tokens - origin)
+
+    def stale_rows(self, start: int, layout, layer: int) -> int:
+        """How many rows from file position ``start`` lie before layer ``layer``'s last window
+        (0 unless ``stale_window`` is set and the layer is a sliding-window one)."""
+        if not self.stale_window or "sliding" not in str(layout.layer_types[layer] if layout.layer_types else ""):
+            return 0
+        first_live = layout.n_tokens - (self.stale_window - 1)  # file position of the first attended row
+        return max(0, first_live - start)
+
+    def scale_stale(self, delta_rows: np.ndarray, start: int, layout, layer: int) -> None:
+        """Multiply (float32, in place) the steps of the rows no later query attends
+        (:meth:`stale_rows`); ``delta_rows[0]`` is file position ``start``."""
+        k = min(len(delta_rows), self.stale_rows(start, layout, layer))
+        if k > 0:
+            delta_rows[:k] *= np.float32(self.stale_scale)
 
     def scale_sink(self, delta_rows: np.ndarray, start: int, position_offset: int = 0) -> None:
         """Multiply (in float32, in place) the steps of the rows in the sink; ``delta_rows[0]``

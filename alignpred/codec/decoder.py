@@ -136,7 +136,7 @@ class Decoder(Chain):
                 break
             meta = metas[ti]
             q, deltas, zero = self._symbols(meta.models, fetch, ti, j0, j1, n_rows, meta.name)
-            delta_rows, zr = self.delta_rows(deltas, zero, start, n_rows)
+            delta_rows, zr = self.delta_rows(deltas, zero, start, n_rows, layer)
             emit = layer in wanted
 
             dst: Any = None
@@ -151,7 +151,8 @@ class Decoder(Chain):
                 qh = q[h * d:(h + 1) * d]
                 if self.config.arith == "exact":
                     with self._stage("post"):
-                        rec = self._block_exact(base, qh, delta_rows, zr, m, blk, start, dst[h] if emit else None)
+                        rec = self._block_exact(base, qh, delta_rows, zr, m, blk, start, dst[h] if emit else None,
+                                                meta.channel_steps(h, d))
                     if plan.block in self._last_use:
                         recon[blk.name] = rec
                     self.prune(recon, blk.name)
@@ -177,7 +178,7 @@ class Decoder(Chain):
                         self._refine(dst, meta, refine_fetch, ti, j0, j1)
                 yield ti, meta.name, dst
 
-    def _block_exact(self, base, qh, delta_rows, zr, modes, blk, start: int, dst):
+    def _block_exact(self, base, qh, delta_rows, zr, modes, blk, start: int, dst, chan=None):
         """One block of a format-1.1 file in one fused pass (:func:`alignpred.kernels.fused.fused_post`):
         dequantise, interpolate, reconstruct (in place in ``base``), and — when ``dst`` is given
         — mean, RoPE, clip and cast straight into ``dst [rows, d]``. Returns the reconstruction."""
@@ -189,7 +190,7 @@ class Decoder(Chain):
         if native is None:  # not emitted, or the caller's buffer has another dtype: cast afterwards
             native = np.empty((n, base.shape[1]), fr.out_dtype)
         fused_post(rec, qh, delta_rows, (modes & INTERP) != 0, self.config.object_size, plan.mean,
-                   fr.rope_args(blk, start, n), fr.fmax, fr.out_dtype, rec=rec, native=native)
+                   fr.rope_args(blk, start, n), fr.fmax, fr.out_dtype, rec=rec, native=native, chan=chan)
         if zr.any():
             rec[zr] = fr.zero_image(blk)
             native[zr] = 0

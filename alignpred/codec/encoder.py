@@ -15,7 +15,7 @@ import numpy as np
 
 from alignpred import entropy
 from alignpred.cache.layout import Block, tensor_name
-from alignpred.codec.budget import JOINT, ErrorBudget, TensorMeta
+from alignpred.codec.budget import JOINT, STEP_UNIT, WEIGHTED, ErrorBudget, TensorMeta
 from alignpred.codec.chain import OBJ_ZERO, Chain, obj_sums
 from alignpred.codec.predictors import BASE_MASK, INTERP, ZERO
 from alignpred.codec.ratecontrol import joint_search, step_shape
@@ -59,7 +59,7 @@ class Encoder(Chain):
     """
 
     def __init__(self, layout, bank, config, budget: ErrorBudget, coder: str = "rans4", chunk_objects: int = 2,
-                 plans=None, weights=None, threads: int | None = None):
+                 plans=None, weights=None, threads: int | None = None, step_codes=None):
         super().__init__(layout, bank, config, coder, plans)
         if budget.eps is None:
             raise EncodeError("the encoder needs a resolved budget (ErrorBudget.resolved): eps is not known yet")
@@ -69,13 +69,32 @@ class Encoder(Chain):
         self.tensor_cap = budget.cap
         n_t = 2 * layout.num_layers
         self.weights: np.ndarray | None = None
-        if self.scope == "weighted":
+        if self.scope in WEIGHTED:
             w = np.asarray(weights if weights is not None else [], np.float64).reshape(-1)
             if w.shape != (n_t,) or not np.all(np.isfinite(w)) or not np.all(w > 0):
-                raise EncodeError(f"the weighted scope needs {n_t} positive finite tensor weights")
+                raise EncodeError(f"the {self.scope} scope needs {n_t} positive finite tensor weights")
             self.weights = w
         elif weights is not None:
             raise EncodeError("tensor weights are used by the weighted scope only")
+        n_c = layout.kv_heads * layout.head_dim
+        if config.channel_steps:
+            codes = list(step_codes) if step_codes is not None else []
+            if len(codes) != n_t or not all(np.asarray(c).shape == (n_c,) and np.asarray(c).dtype == np.uint8
+                                            and int(np.asarray(c).min()) >= 1 for c in codes):
+                raise EncodeError(f"channel_steps needs {n_t} uint8 step-code arrays [{n_c}] in 1..255")
+            self.step_codes: list | None = [np.asarray(c, np.uint8) for c in codes]
+        elif step_codes is not None:
+            raise EncodeError("step codes need config.channel_steps")
+        else:
+            self.step_codes = None
+        # The attention scope measures error weighted by 1 / (step multiplier)² of every value
+        # (channel and row multipliers): what the multipliers encode as the model's weights.
+        self.measure_weighted = self.scope == "attention"
+        self._wc = None
+        if self.measure_weighted and self.step_codes is not None:
+            H, d = layout.kv_heads, layout.head_dim
+            self._wc = [((np.float64(STEP_UNIT) / c.astype(np.float64)) ** 2).reshape(H, d) for c in self.step_codes]
+        self._tensor_of = {t: k for k, t in enumerate(layout.tensors())}
         self.chunk_objects = max(1, int(chunk_objects))
         self.threads = default_threads() if threads is None else max(1, int(threads))
         self._pool = pool(self.threads) if self.threads > 1 else None
@@ -113,15 +132,22 @@ class Encoder(Chain):
                     raise NonFiniteError(f"{tensor_name(*self.tensors[ti])}: {len(bad)}+ NaN/Inf values (first at "
                                          f"head {h}, token {a + t}, channel {c}); kvz refuses non-finite input: fix "
                                          "the cache or replace them before compressing")
-                sq = [np.einsum("ij,ij->i", xh.astype(np.float64), xh.astype(np.float64)) for xh in x]
+                sq = [self._row_sq(xh.astype(np.float64), ti, h, a) for h, xh in enumerate(x)]
                 norms[ti, j0:j1] = sum(obj_sums(v, S) for v in sq)  # per head, then summed: as before
         return norms
 
     # -- coding one head of one chunk ------------------------------------------------------------
-    def _code_head(self, plan, m, z, local, delta_rows, zero_rows, blk, base=None):
+    def chan(self, ti: int, h: int) -> np.ndarray | None:
+        """Per-channel step multipliers of head ``h`` of tensor ``ti`` (None: all ones)."""
+        if self.step_codes is None:
+            return None
+        d = self.layout.head_dim
+        return self.step_codes[ti][h * d:(h + 1) * d].astype(np.float32) / np.float32(STEP_UNIT)
+
+    def _code_head(self, plan, m, z, local, delta_rows, zero_rows, blk, base=None, chan=None):
         if base is None:
             base = plan.predict(m, local, z.shape[0])
-        q, wh, big = quantize(z, delta_rows, (m & INTERP) != 0, self.config.object_size, base=base)
+        q, wh, big = quantize(z, delta_rows, (m & INTERP) != 0, self.config.object_size, base=base, chan=chan)
         if big >= 2.0 ** 30:
             raise EncodeError(f"eps {self.eps:g} is too small for this cache: its quantisation steps give symbols "
                               f"beyond 2**30; use eps >= {self.eps * big / 2.0 ** 29:.1e}, or --lossless for the "
@@ -132,13 +158,28 @@ class Encoder(Chain):
             rec[zero_rows] = self.frame.zero_image(blk)
         return q, rec
 
+    def _row_sq(self, d: np.ndarray, ti: int, h: int, start: int) -> np.ndarray:
+        """Squared norm of every row of ``d [n, head_dim]`` (float64, native frame, file rows
+        from ``start``) in the scope's measure: plain, or (attention scope) weighted by
+        ``1 / multiplier²`` per channel and per row."""
+        if not self.measure_weighted:
+            return np.einsum("ij,ij->i", d, d)
+        e = np.einsum("ij,ij,j->i", d, d, self._wc[ti][h]) if self._wc is not None else np.einsum("ij,ij->i", d, d)
+        layer = self.tensors[ti][0]
+        steps = np.ones(len(e), np.float32)
+        self.config.scale_sink(steps, start, self.layout.position_offset)
+        self.config.scale_stale(steps, start, self.layout, layer)
+        return e / np.square(steps.astype(np.float64))
+
     def _row_errors(self, rec, xh, blk, start) -> np.ndarray:
-        """Squared error per row after the inverse transform and the cast, object by object."""
+        """Squared error per row after the inverse transform and the cast, object by object (in
+        the scope's measure, :meth:`_row_sq`)."""
         S = self.config.object_size
+        ti = self._tensor_of[(blk.layer, blk.kind)]
         e = np.empty(rec.shape[0])
         for a in range(0, rec.shape[0], S):
             d = self.frame.to_native(rec[a:a + S], blk, start + a).astype(np.float64) - xh[a:a + S]
-            e[a:a + S] = np.einsum("ij,ij->i", d, d)
+            e[a:a + S] = self._row_sq(d, ti, blk.head, start + a)
         return e
 
     # -- predictor modes and first steps, on a sample of objects --------------------------------
@@ -179,7 +220,8 @@ class Encoder(Chain):
             Predictions are kept in ``preds`` while ``local`` (the sources) is unchanged."""
             layer, kind = self.tensors[ti]
             x, z = sample(ti)
-            dr, zr = zip(*(self.delta_rows(delta_obj[k:k + 1], zero[ti, j:j + 1], j * S) for k, j in enumerate(objs)))
+            dr, zr = zip(*(self.delta_rows(delta_obj[k:k + 1], zero[ti, j:j + 1], j * S, layer=layer)
+                           for k, j in enumerate(objs)))
             delta_rows, zero_rows = np.concatenate(dr), np.concatenate(zr)
             loc = dict(local)
             err = np.zeros(len(objs))
@@ -189,14 +231,15 @@ class Encoder(Chain):
             for h in range(H):
                 blk = Block(layer, kind, h)
                 plan = self.plans[blk.name]
-                m, bases = self._choose(plan, z[h], loc, delta_rows) if modes is None else (modes[h], None)
+                ch = self.chan(ti, h)
+                m, bases = self._choose(plan, z[h], loc, delta_rows, ch) if modes is None else (modes[h], None)
                 pred = preds.get(blk.name)
                 if pred is None:
                     pred = plan.predict(m, loc, z[h].shape[0], bases)
                     # Kept for the next tries unless a source is another head of this tensor.
                     if not any(s.startswith(f"{kind}.{layer}.") for s in plan.sources):
                         preds[blk.name] = pred
-                q, loc[blk.name] = self._code_head(plan, m, z[h], loc, delta_rows, zero_rows, blk, pred)
+                q, loc[blk.name] = self._code_head(plan, m, z[h], loc, delta_rows, zero_rows, blk, pred, ch)
                 q_all[:, h * d:(h + 1) * d] = q
                 e = np.concatenate([self._row_errors(loc[blk.name][k * S:k * S + int(self.obj_rows[j])], x[h][k * S:],
                                                      blk, j * S) for k, j in enumerate(objs)])
@@ -276,7 +319,7 @@ class Encoder(Chain):
     def _pooled_search(self, evaluate, d0, norm_t, aim: float = 0.997, widen: int = 0):
         return joint_search(evaluate, d0, norm_t, self.eps, self.tensor_cap, self.weights, self.scope, aim, widen)
 
-    def _choose(self, plan, z, local, delta_rows):
+    def _choose(self, plan, z, local, delta_rows, chan=None):
         """Modes ``[d]`` with the smallest estimated cost at the initial step, and the base
         predictions computed for the choice (by predictor id)."""
         cfg = self.config
@@ -284,7 +327,7 @@ class Encoder(Chain):
         bases = {bb: plan.base(bb, local) for bb in {m & BASE_MASK for m in cands} if bb != ZERO}
         def cost(m):  # one pass per candidate, no temporaries of the block's size (releases the GIL)
             base = bases[m & BASE_MASK] if m & BASE_MASK != ZERO else None
-            return candidate_bits(z, delta_rows, bool(m & INTERP), cfg.object_size, base=base)
+            return candidate_bits(z, delta_rows, bool(m & INTERP), cfg.object_size, base=base, chan=chan)
 
         bits = np.stack(list(self._pool.map(cost, cands)) if self._pool is not None else [cost(m) for m in cands])
         cands = np.array(cands, np.uint8)
@@ -305,14 +348,14 @@ class Encoder(Chain):
         out = []
         for ti, (layer, kind) in enumerate(self.tensors):
             x = self._rows(tensors, ti, a, b)
-            delta_rows, zero_rows = self.delta_rows(delta[ti, j0:j1], zero[ti, j0:j1], a)
+            delta_rows, zero_rows = self.delta_rows(delta[ti, j0:j1], zero[ti, j0:j1], a, layer=layer)
             q = np.empty((b - a, H * d), np.int32)
             err = np.zeros(j1 - j0)
             for h in range(H):
                 blk = Block(layer, kind, h)
                 z = self.frame.to_frame(x[h], blk, a)
                 q[:, h * d:(h + 1) * d], local[blk.name] = self._code_head(
-                    self.plans[blk.name], modes[ti][h], z, local, delta_rows, zero_rows, blk)
+                    self.plans[blk.name], modes[ti][h], z, local, delta_rows, zero_rows, blk, chan=self.chan(ti, h))
                 e = self._row_errors(local[blk.name], x[h], blk, a)
                 e[zero_rows] = 0.0
                 err += obj_sums(e, S)
@@ -436,5 +479,6 @@ class Encoder(Chain):
             err[ob.tensor, ob.token_start // self.config.object_size] = ob.sq_err
             yield ob
         self.metas = [TensorMeta(name=tensor_name(layer, kind), modes=modes[ti].astype(np.uint8), models=models[ti],
-                                 sq_err=float(err[ti].sum()), sq_norm=float(norms[ti].sum()))
+                                 sq_err=float(err[ti].sum()), sq_norm=float(norms[ti].sum()),
+                                 step_codes=None if self.step_codes is None else self.step_codes[ti])
                       for ti, (layer, kind) in enumerate(self.tensors)]

@@ -28,7 +28,7 @@ from alignpred.errors import ChecksumError, FormatError, TruncatedError, Unsuppo
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"KVZ-END\x00"
-MAJOR, MINOR = 1, 2  # MINOR: the newest minor version this writer writes (any 1.x is read, kvz.md §11.3)
+MAJOR, MINOR = 1, 3  # MINOR: the newest minor version this writer writes (any 1.x is read, kvz.md §11.3)
 FLAG_REFINE = 1  # the file holds a refinement tier (format 1.1): index entries after the coarse ones
 KNOWN_FLAGS = FLAG_REFINE
 PREAMBLE = struct.Struct("<8sHHI")

@@ -20,7 +20,7 @@ from alignpred import entropy
 from alignpred._version import __version__
 from alignpred.bank.bank import Bank
 from alignpred.cache.layout import CacheLayout
-from alignpred.codec.budget import SCOPES, ErrorBudget, TensorMeta
+from alignpred.codec.budget import SCOPES, WEIGHTED, ErrorBudget, TensorMeta
 from alignpred.codec.config import ARITHS, SINK_ORIGINS, CodecConfig
 from alignpred.errors import BankMismatchError, FormatError
 from alignpred.format.container import FLAG_REFINE, MAJOR
@@ -48,13 +48,16 @@ TIERS = ("coarse", "exact")
 
 
 def minor_for(layout, config, scope: str = "tensor", tiers=("coarse",), coder: str = "rans4") -> int:
-    """The oldest minor version that can express a file: 1.2 for the ``lanes32`` entropy coder;
+    """The oldest minor version that can express a file: 1.3 for per-channel steps
+    (``config.channel_steps``, the attention scope); 1.2 for the ``lanes32`` entropy coder;
     1.1 for exact arithmetic, an absolute sink, an exact RoPE spec, a tensor cap or a refinement
     tier; 1.0 otherwise (kvz 0.1)."""
+    if config.channel_steps or config.stale_window:
+        return 3
     if coder == "lanes32":
         return 2
     new = (config.arith != "float" or config.sink_origin != "file" or layout.rope is not None
-           or list(tiers) != ["coarse"] or scope == "weighted")  # tensor_cap alone is informative
+           or list(tiers) != ["coarse"] or scope in WEIGHTED)  # tensor_cap alone is informative
     return 1 if new else 0
 
 
@@ -80,6 +83,8 @@ def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas
         t = {"name": m.name, "modes": b64(m.modes), "models": b64(m.models), "sq_err": m.sq_err, "sq_norm": m.sq_norm}
         if m.refine_models is not None:
             t["refine_models"] = b64(m.refine_models)
+        if m.step_codes is not None:
+            t["step_codes"] = b64(m.step_codes)
         return t
 
     return {
@@ -95,6 +100,7 @@ def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas
 def tensor_metas(h: dict, layout) -> list:
     """The per-tensor modes/models (and refinement models) of a validated header."""
     refined = bool(h.get("flags", 0) & FLAG_REFINE)
+    stepped = bool(h["codec"]["config"].get("channel_steps", False))
     C = layout.kv_heads * layout.head_dim
     tensors = h["tensors"]
     if not isinstance(tensors, list) or len(tensors) != 2 * layout.num_layers:
@@ -112,6 +118,10 @@ def tensor_metas(h: dict, layout) -> list:
 
             m.refine_models = unb64(t.get("refine_models"), n_contexts(numpy_dtype(layout.dtype)),
                                     f"{name}.refine_models")
+        if stepped:
+            m.step_codes = unb64(t.get("step_codes"), C, f"{name}.step_codes")
+            if int(m.step_codes.min()) < 1:
+                raise FormatError(f"header field {name}.step_codes holds a zero step code (codes are 1..255)")
         metas.append(m)
     return metas
 
@@ -126,7 +136,8 @@ _LAYOUT_TYPES = {"num_layers": "int", "kv_heads": "int", "head_dim": "int", "n_t
                  "rope": "dict"}
 _CONFIG_TYPES = {"object_size": "int", "align": "bool", "inter_map": "bool", "blend": "bool", "intra": "bool",
                  "channel_choice": "bool", "rope_undo": "bool", "lambdas": "list", "sink_tokens": "int",
-                 "sink_scale": "float", "sink_origin": "str", "arith": "str"}
+                 "sink_scale": "float", "sink_origin": "str", "arith": "str", "channel_steps": "bool",
+                 "stale_window": "int", "stale_scale": "float"}
 _PY = {"int": int, "str": str, "bool": bool, "list": list, "dict": dict, "float": float}
 
 
@@ -186,12 +197,18 @@ def check_header(h: dict) -> None:
     refined = bool(h.get("flags", 0) & FLAG_REFINE)
     if refined and cfg.get("arith") != "exact":
         raise FormatError("a refinement tier needs exact arithmetic")
+    stepped = bool(cfg.get("channel_steps", False))
+    if stepped and cfg.get("arith") != "exact":
+        raise FormatError("codec.config.channel_steps needs exact arithmetic")
+    if ("stale_window" in cfg) != ("stale_scale" in cfg) or not 0 <= cfg.get("stale_window", 0) <= MAX_TOKENS \
+            or not (_f32(cfg.get("stale_scale", 1.0)) and 1 <= cfg.get("stale_scale", 1.0) <= 256):
+        raise FormatError("codec.config.stale_window/stale_scale out of range")
     tw = codec.get("tensor_weights")
     if tw is not None and not (isinstance(tw, list) and all(type(x) in (int, float) and math.isfinite(x) and x > 0
                                                             for x in tw)):
         raise FormatError("codec.tensor_weights must be positive numbers")
-    if (codec["eps_scope"] == "weighted") != (tw is not None):
-        raise FormatError("codec.tensor_weights go with the weighted scope")
+    if (codec["eps_scope"] in WEIGHTED) != (tw is not None):
+        raise FormatError("codec.tensor_weights go with the weighted and attention scopes")
     if tw is not None and len(tw) != 2 * lay["num_layers"]:
         raise FormatError("codec.tensor_weights must hold one weight per tensor")
     cap = codec.get("tensor_cap", 0.0)
@@ -207,8 +224,9 @@ def check_header(h: dict) -> None:
     if not isinstance(h["tensors"], list):
         raise FormatError("header field tensors must be a list")
     for t in h["tensors"]:
-        _typed(t, {"name": "str", "modes": "str", "models": "str", "refine_models": "str"}, "tensors[]",
-               ("name", "modes", "models") + (("refine_models",) if refined else ()))
+        _typed(t, {"name": "str", "modes": "str", "models": "str", "refine_models": "str", "step_codes": "str"},
+               "tensors[]", ("name", "modes", "models") + (("refine_models",) if refined else ())
+               + (("step_codes",) if stepped else ()))
         if not (_nonneg(t.get("sq_err", 0.0)) and _nonneg(t.get("sq_norm", 0.0))):
             raise FormatError(f"header tensor {t['name']!r} has invalid error statistics")
     if not isinstance(h.get("source_metadata", {}), dict):

@@ -30,6 +30,7 @@ from alignpred.bank.bank import Bank
 from alignpred.bank.registry import resolve_bank
 from alignpred.cache.arrays import as_numpy
 from alignpred.cache.layout import CacheLayout, numpy_dtype
+from alignpred.codec.budget import STEP_UNIT
 from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
 from alignpred.errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError
@@ -473,7 +474,10 @@ class KvzReader:
             ents = self.index[ti * self.n_objects_per_tensor:(ti + 1) * self.n_objects_per_tensor]
             nbytes = sum(e.length for e in ents) + ENTRY_SIZE * len(ents)
             n_vals = lay.kv_heads * lay.n_tokens * lay.head_dim
-            per[m.name] = {"nrmse": math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0,
+            steps = {} if m.step_codes is None else {  # the channels' step multipliers (format 1.3)
+                "step_multiplier_min": int(m.step_codes.min()) / STEP_UNIT,
+                "step_multiplier_max": int(m.step_codes.max()) / STEP_UNIT}
+            per[m.name] = {**steps, "nrmse": math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0,
                            "bpv_payload": 8.0 * nbytes / n_vals,
                            "max_object_nrmse": max((math.sqrt(e.sq_err / e.sq_norm) if e.sq_norm > 0 else 0.0)
                                                    for e in ents)}
@@ -491,4 +495,5 @@ class KvzReader:
                 "bank_bytes": int(emb["length"]) if emb else 0,
                 "file_bytes": size, "n_values": lay.n_values, "bpv": 8.0 * size / lay.n_values,
                 "nrmse_pooled": math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0,
-                "nrmse_max_tensor": max(v["nrmse"] for v in per.values()), "tensors": per}
+                "nrmse_max_tensor": max(v["nrmse"] for v in per.values()), "tensors": per,
+                "error_measure": "attention" if self.scope == "attention" else "plain"}

@@ -31,7 +31,7 @@ from alignpred.codec.chain import OBJ_REFINE, OBJ_ZERO
 from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
 from alignpred.codec.encoder import EncodedObject, Encoder
-from alignpred.errors import KvzError, LayoutError, OutputExistsError
+from alignpred.errors import BankMismatchError, KvzError, LayoutError, OutputExistsError
 from alignpred.format.container import (
     FLAG_REFINE,
     FOOTER_SIZE,
@@ -90,7 +90,7 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
              config: CodecConfig | None = None, embed_bank: bool = False, coder: str = CODER,
              tensor_cap: float | None = None, lossless: bool = False, weights=None, target_kl: float | None = None,
              threads: int | None = None, progress=None, budget: ErrorBudget | None = None,
-             trust_rope: bool = False) -> CompressInfo:
+             trust_rope: bool = False, attention_stats=None) -> CompressInfo:
     """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
     ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
     scope also caps every tensor at ``tensor_cap × eps``, 0 = no cap).
@@ -104,6 +104,10 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
     :func:`alignpred.bank.registry.sensitivity`) — error goes where the model is least sensitive.
     ``target_kl`` (instead of ``eps``): ask for a mean next-token KL divergence; with weights in
     KL per NRMSE² the weighted scope is used with ``eps = sqrt(target_kl / sum_t w_t)``.
+    ``scope="attention"`` (format 1.3): the weighted budget in a measure that weighs every channel
+    and position by what attention reads of it (:mod:`alignpred.codec.channel_steps`), from
+    ``attention_stats`` (an :class:`~alignpred.bank.AttentionStats` of this bank; default: the
+    bank's sidecar, which ``kvz calibrate`` fits from captures made with ``--attention-stats``).
     ``lossless``: add the refinement tier (:mod:`alignpred.codec.refine`): the file then decodes to
     the original bits exactly, and its coarse tier (at ``eps``) stays readable alone
     (``KvzReader(..., tier="coarse")``), e.g. as a drafter's cache.
@@ -127,7 +131,7 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
             raise OutputExistsError(f"{os.fspath(out)} is the input cache; write the .kvz to another path")
         return _compress(cache, out, budget=budget, bank=bank, config=config, embed_bank=embed_bank,
                          coder=coder, lossless=lossless, threads=threads, progress=progress,
-                         trust_rope=trust_rope)
+                         trust_rope=trust_rope, attention_stats=attention_stats)
     except KvzError as e:
         if src and src not in str(e):
             raise type(e)(f"{src}: {e}") from None
@@ -204,8 +208,34 @@ def rans_tokens(q: np.ndarray) -> np.ndarray:
     return tokenize_array(np.ascontiguousarray(q, np.int32))[0].astype(np.int64)
 
 
+def _attention_steps(bank_ref, bank, layout, config, stats=None):
+    """``(config with channel_steps, step codes per tensor)`` from ``stats`` or the bank's
+    attention statistics; a bank without them is a one-line error naming the fix."""
+    from dataclasses import replace
+
+    from alignpred.bank.attention_stats import find_attention_stats
+    from alignpred.codec.channel_steps import STALE_SCALE, step_codes
+
+    if stats is None:
+        try:
+            stats = find_attention_stats(bank_ref if isinstance(bank_ref, (str, os.PathLike)) else bank)
+        except BankMismatchError:  # a bank built in memory (fit_bank) has no file to sit beside
+            stats = None
+    elif not stats.fits(bank):
+        raise KvzError(f"attention_stats are of bank {stats.bank_id[:19]}…, not of {bank.id[:19]}…")
+    if stats is None:
+        raise KvzError(f"the attention scope needs the bank's attention statistics, and bank {bank.id[:19]}… has "
+                       "none: fit them with `kvz calibrate` on captures made with `kvz capture --attention-stats` "
+                       "(or use --eps-scope weighted)")
+    if config.align:
+        raise KvzError("the attention scope needs exact arithmetic, which does not combine with --align")
+    config = replace(config, channel_steps=True, stale_window=int(stats.sliding_window),
+                     stale_scale=STALE_SCALE if stats.sliding_window else 1.0)
+    return config, step_codes(stats, layout, config)
+
+
 def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, coder, lossless, threads,
-              progress, trust_rope: bool = False) -> CompressInfo:
+              progress, trust_rope: bool = False, attention_stats=None) -> CompressInfo:
     config = config or CodecConfig()
     lay = cache.layout
     if lossless and config.arith != "exact":
@@ -219,7 +249,13 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
     from alignpred.codec.frame import check_rope_range
 
     check_rope_range(lay, config)
+    bank_ref = bank
     bank = resolve_bank(bank, lay)
+    codes = None
+    if budget.scope == "attention":
+        config, codes = _attention_steps(bank_ref, bank, lay, config, attention_stats)
+    elif attention_stats is not None:
+        raise KvzError("attention_stats are used by the attention scope only")
     w = budget.tensor_weights(lay.tensor_names(), bank)
     budget = budget.resolved(w)
     eps, scope = float(budget.eps or 0.0), budget.scope  # eps is known once resolved
@@ -229,7 +265,7 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
     check_rope(lay, bank, cache.tensors)
     if not trust_rope and config.rope_undo:
         check_rope_theta(lay, cache.tensors)
-    enc = Encoder(lay, bank, config, budget, coder, weights=w, threads=threads)
+    enc = Encoder(lay, bank, config, budget, coder, weights=w, threads=threads, step_codes=codes)
     bank_bytes = bank.to_bytes() if embed_bank else b""
     n_obj = enc.n_obj
     buf = cache.buf

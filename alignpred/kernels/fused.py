@@ -38,11 +38,13 @@ _TILE = 32  # rows per tile (even): q is transposed tile by tile through an L1 b
 # --------------------------------------------------------------------------------------------
 # reference
 
-def reference_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype):
+def reference_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype, chan=None):
     """The definition (numpy, float32 throughout).
 
     ``base`` float32 ``[n, d]`` (prediction, coding frame); ``q`` int32 ``[d, n]`` (channel-
-    major symbols); ``delta`` float32 ``[n]`` (step per row); ``interp`` bool ``[d]``;
+    major symbols); ``delta`` float32 ``[n]`` (step per row); ``chan``: None or float32 ``[d]``,
+    per-channel step multipliers (the step of row ``t``, channel ``c`` is
+    ``float32(delta[t] * chan[c])``); ``interp`` bool ``[d]``;
     ``object_size`` (even; row 0 is an object boundary); ``mean`` float32 ``[d]``; ``rope``:
     None or ``(cos [n, r/2], sin [n, r/2], r, pairing)`` with ``pairing`` ``'half'`` or
     ``'interleaved'``; ``fmax`` (clip bound); ``out_dtype``: bfloat16, float16 or float32.
@@ -52,6 +54,8 @@ def reference_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dt
     base = np.asarray(base, f32)
     n, d = base.shape
     dr = np.asarray(delta, f32)[:, None]
+    if chan is not None:  # per-channel step multipliers: the step of (t, c) is delta[t] * chan[c]
+        dr = dr * np.asarray(chan, f32).reshape(1, d)
     qt = np.asarray(q).T.astype(f32)
     wh = qt * dr
     cols = np.nonzero(np.asarray(interp, bool))[0]
@@ -62,7 +66,8 @@ def reference_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dt
         left_v = wh[odd - 1][:, cols]
         right_v = wh[np.where(ok, right, odd - 1)][:, cols]
         pred = np.where(ok[:, None], f32(0.5) * (left_v + right_v), left_v)
-        wh[np.ix_(odd, cols)] = pred + qt[np.ix_(odd, cols)] * dr[odd]
+        dro = dr[odd] if chan is None else dr[np.ix_(odd, cols)]
+        wh[np.ix_(odd, cols)] = pred + qt[np.ix_(odd, cols)] * dro
     rec = base + wh
     x = rec + np.asarray(mean, f32)
     if rope is not None:
@@ -222,12 +227,12 @@ def _emit(nat32, nat16, t, lo, hi, xrow, kind, fmax):
 
 
 @njit(cache=True, nogil=True)
-def _post(base, q, delta, interp, S, mean, cos, sin, r, interleaved, fmax, kind, rec, nat32, nat16, qt, xrow,
-          vrow):
-    """One block.  base [n, d] f32; q [d, n] i32 (C order); delta [n] f32; interp [d] u8;
-    mean [d] f32; cos/sin [n, r/2] f32 (r = 0: no rope); rec [n, d] f32 (may be base);
-    nat32 [n, d] f32 (kind 0) or nat16 [n, d] u16 (kinds 1, 2); scratch qt [TILE+1, d] i32,
-    xrow, vrow [d] f32."""
+def _post(base, q, delta, chan, has_chan, interp, S, mean, cos, sin, r, interleaved, fmax, kind, rec, nat32, nat16,
+          qt, xrow, vrow, srow):
+    """One block.  base [n, d] f32; q [d, n] i32 (C order); delta [n] f32; chan [d] f32 (step
+    multipliers; read when has_chan); interp [d] u8; mean [d] f32; cos/sin [n, r/2] f32 (r = 0: no
+    rope); rec [n, d] f32 (may be base); nat32 [n, d] f32 (kind 0) or nat16 [n, d] u16 (kinds 1, 2);
+    scratch qt [TILE+1, d] i32, xrow, vrow [d] f32, srow [3, d] f32 (steps of rows t-1, t, t+1)."""
     n, d = base.shape
     h = r // 2
     any_interp = False
@@ -242,15 +247,42 @@ def _post(base, q, delta, interp, S, mean, cos, sin, r, interleaved, fmax, kind,
         for t in range(t0, t1):
             lt = t - t0
             dt = delta[t]
+            if has_chan:  # the steps of this row (and its neighbours) per channel
+                for c in range(d):
+                    srow[1, c] = dt * chan[c]
             if any_interp and (t & 1) == 1:
                 dl = delta[t - 1]
                 if t + 1 < n and (t + 1) % S != 0:
                     drt = delta[t + 1]
+                    if has_chan:
+                        for c in range(d):
+                            srow[0, c] = dl * chan[c]
+                            srow[2, c] = drt * chan[c]
+                        for c in range(d):
+                            w = np.float32(qt[lt, c]) * srow[1, c]
+                            left = np.float32(qt[lt - 1, c]) * srow[0, c]
+                            right = np.float32(qt[lt + 1, c]) * srow[2, c]
+                            wi = half * (left + right) + w
+                            w = wi if interp[c] != 0 else w
+                            v = base[t, c] + w
+                            vrow[c] = v
+                            xrow[c] = v + mean[c]
+                    else:
+                        for c in range(d):
+                            w = np.float32(qt[lt, c]) * dt
+                            left = np.float32(qt[lt - 1, c]) * dl
+                            right = np.float32(qt[lt + 1, c]) * drt
+                            wi = half * (left + right) + w
+                            w = wi if interp[c] != 0 else w
+                            v = base[t, c] + w
+                            vrow[c] = v
+                            xrow[c] = v + mean[c]
+                elif has_chan:
                     for c in range(d):
-                        w = np.float32(qt[lt, c]) * dt
-                        left = np.float32(qt[lt - 1, c]) * dl
-                        right = np.float32(qt[lt + 1, c]) * drt
-                        wi = half * (left + right) + w
+                        srow[0, c] = dl * chan[c]
+                    for c in range(d):
+                        w = np.float32(qt[lt, c]) * srow[1, c]
+                        wi = np.float32(qt[lt - 1, c]) * srow[0, c] + w
                         w = wi if interp[c] != 0 else w
                         v = base[t, c] + w
                         vrow[c] = v
@@ -263,6 +295,11 @@ def _post(base, q, delta, interp, S, mean, cos, sin, r, interleaved, fmax, kind,
                         v = base[t, c] + w
                         vrow[c] = v
                         xrow[c] = v + mean[c]
+            elif has_chan:
+                for c in range(d):
+                    v = base[t, c] + np.float32(qt[lt, c]) * srow[1, c]
+                    vrow[c] = v
+                    xrow[c] = v + mean[c]
             else:
                 for c in range(d):
                     v = base[t, c] + np.float32(qt[lt, c]) * dt
@@ -290,8 +327,9 @@ def _post(base, q, delta, interp, S, mean, cos, sin, r, interleaved, fmax, kind,
 _KINDS = {"float32": OUT_F32, "bfloat16": OUT_BF16, "float16": OUT_F16}
 
 
-def fused_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype, rec=None, native=None):
-    """:func:`reference_post` in one numba pass, bit for bit.
+def fused_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype, rec=None, native=None, chan=None):
+    """:func:`reference_post` in one numba pass, bit for bit (``chan``: per-channel step
+    multipliers, as there; None = ones, the loops without them).
 
     ``rec``: float32 ``[n, d]`` to write the reconstruction into (may be ``base`` itself:
     in place); ``native``: ``[n, d]`` array of ``out_dtype`` (or its uint16 bit view for
@@ -343,6 +381,10 @@ def fused_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype,
     nat16 = native.view(np.uint16) if kind != OUT_F32 else np.zeros((0, 0), np.uint16)
     qt = np.empty((_TILE + 1, d), np.int32)
     xrow = np.empty(d, np.float32)
-    _post(base, q, delta, interp_u8, int(object_size), mean, cos, sin, r, interleaved, np.float32(fmax), kind,
-          rec, nat32, nat16, qt, xrow, np.empty(d, np.float32))
+    has_chan = chan is not None
+    chan = np.ascontiguousarray(chan, np.float32) if has_chan else np.ones(d, np.float32)
+    if chan.shape != (d,):
+        raise ValueError("chan [d] expected")
+    _post(base, q, delta, chan, has_chan, interp_u8, int(object_size), mean, cos, sin, r, interleaved,
+          np.float32(fmax), kind, rec, nat32, nat16, qt, xrow, np.empty(d, np.float32), np.empty((3, d), np.float32))
     return rec, native

@@ -14,20 +14,32 @@ from numba import njit
 
 
 @njit(cache=True)
-def _dequant_add(base, q, delta, out):
+def _dequant_add(base, q, delta, chan, out):
     n, d = base.shape
     for t0 in range(0, n, 16):  # 16-token tiles: q rows read contiguously, the tile stays in cache
         t1 = min(n, t0 + 16)
         for c in range(d):
             for t in range(t0, t1):
-                out[t, c] = base[t, c] + np.float32(q[c, t]) * delta[t]
+                out[t, c] = base[t, c] + np.float32(q[c, t]) * (delta[t] * chan[c])
 
 
-def dequant_add(base: np.ndarray, q_cm: np.ndarray, delta_rows: np.ndarray) -> np.ndarray:
-    """``base [n, d] + q_cm.T * delta_rows[:, None]`` in float32, reading ``q`` channel-major."""
+def channel_steps(chan, d: int) -> np.ndarray:
+    """The per-channel step multipliers ``[d]`` (float32; ones when ``chan`` is None): a row's
+    step in channel ``c`` is ``float32(delta_rows[t] * chan[c])``, exact when ``chan[c] = 1``."""
+    if chan is None:
+        return np.ones(d, np.float32)
+    chan = np.ascontiguousarray(chan, np.float32)
+    if chan.shape != (d,):
+        raise ValueError(f"chan must be float32 [{d}]")
+    return chan
+
+
+def dequant_add(base: np.ndarray, q_cm: np.ndarray, delta_rows: np.ndarray, chan=None) -> np.ndarray:
+    """``base [n, d] + q_cm.T * (delta_rows[:, None] * chan)`` in float32, reading ``q``
+    channel-major (``chan``: per-channel step multipliers, :func:`channel_steps`)."""
     out = np.empty(base.shape, np.float32)
     _dequant_add(np.ascontiguousarray(base, np.float32), np.ascontiguousarray(q_cm, np.int32),
-                 np.ascontiguousarray(delta_rows, np.float32), out)
+                 np.ascontiguousarray(delta_rows, np.float32), channel_steps(chan, base.shape[1]), out)
     return out
 
 
@@ -90,17 +102,19 @@ def column_entropy_bits(q: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _quantize_column(w, base, c, dr, interp, S, qcol, whcol):
-    """Quantise column ``c`` of ``w - base`` (``base`` may be empty: zero); returns max |q|.
-    Float32 operations in the order of :func:`alignpred.kernels.quantize_ref.quantize_residual`."""
+def _quantize_column(w, base, c, dr, g, interp, S, qcol, whcol):
+    """Quantise column ``c`` of ``w - base`` (``base`` may be empty: zero) with steps
+    ``dr[t] * g`` (``g``: the channel's step multiplier); returns max |q|. Float32 operations in
+    the order of :func:`alignpred.kernels.quantize_ref.quantize_residual`."""
     n = w.shape[0]
     has_base = base.shape[0] > 0
     big = np.float32(0.0)
     for t in range(n):
         x = w[t, c] - base[t, c] if has_base else w[t, c]
-        v = np.float32(np.rint(x / dr[t]))
+        st = dr[t] * g
+        v = np.float32(np.rint(x / st))
         qcol[t] = v
-        whcol[t] = v * dr[t]
+        whcol[t] = v * st
     if interp:
         for t in range(1, n, 2):
             left = whcol[t - 1]
@@ -110,9 +124,10 @@ def _quantize_column(w, base, c, dr, interp, S, qcol, whcol):
             else:
                 pred = left
             x = w[t, c] - base[t, c] if has_base else w[t, c]
-            v = np.float32(np.rint((x - pred) / dr[t]))
+            st = dr[t] * g
+            v = np.float32(np.rint((x - pred) / st))
             qcol[t] = v
-            whcol[t] = pred + v * dr[t]
+            whcol[t] = pred + v * st
     for t in range(n):
         a = abs(qcol[t])
         if a > big:
@@ -121,13 +136,13 @@ def _quantize_column(w, base, c, dr, interp, S, qcol, whcol):
 
 
 @njit(cache=True, nogil=True)
-def _quantize(w, base, dr, interp, S, q, wh):
+def _quantize(w, base, dr, chan, interp, S, q, wh):
     n, d = w.shape
     qcol = np.empty(n, np.float32)
     whcol = np.empty(n, np.float32)
     big = np.float32(0.0)
     for c in range(d):
-        b = _quantize_column(w, base, c, dr, interp[c], S, qcol, whcol)
+        b = _quantize_column(w, base, c, dr, chan[c], interp[c], S, qcol, whcol)
         if b > big:
             big = b
         if b < np.float32(2.0 ** 30):
@@ -138,14 +153,14 @@ def _quantize(w, base, dr, interp, S, q, wh):
 
 
 @njit(cache=True, nogil=True)
-def _candidate_bits(w, base, dr, interp, S, out):
+def _candidate_bits(w, base, dr, chan, interp, S, out):
     """Per channel: the zeroth-order entropy (bits) of the symbols quantising ``w - base``."""
     n, d = w.shape
     qcol = np.empty(n, np.float32)
     whcol = np.empty(n, np.float32)
     qi = np.empty(n, np.int64)
     for c in range(d):
-        b = _quantize_column(w, base, c, dr, interp, S, qcol, whcol)
+        b = _quantize_column(w, base, c, dr, chan[c], interp, S, qcol, whcol)
         if b >= np.float32(2.0 ** 30):
             out[c] = np.inf
             continue
@@ -157,23 +172,25 @@ def _candidate_bits(w, base, dr, interp, S, out):
 _EMPTY = np.zeros((0, 0), np.float32)
 
 
-def quantize(w, delta_rows, interp, object_size: int, base=None):
+def quantize(w, delta_rows, interp, object_size: int, base=None, chan=None):
     """``quantize_residual(w - base, ...)`` in one pass: ``(q int32 [n, d], wh float32 [n, d],
-    max |q|)``; values equal the numpy definition bit for bit."""
+    max |q|)``; values equal the numpy definition bit for bit. ``chan``: per-channel step
+    multipliers (:func:`channel_steps`)."""
     w = np.ascontiguousarray(w, np.float32)
     b = _EMPTY if base is None else np.ascontiguousarray(base, np.float32)
     q = np.zeros(w.shape, np.int32)
     wh = np.empty(w.shape, np.float32)
-    big = _quantize(w, b, np.ascontiguousarray(delta_rows, np.float32), np.ascontiguousarray(interp, np.bool_),
-                    int(object_size), q, wh)
+    big = _quantize(w, b, np.ascontiguousarray(delta_rows, np.float32), channel_steps(chan, w.shape[1]),
+                    np.ascontiguousarray(interp, np.bool_), int(object_size), q, wh)
     return q, wh, float(big)
 
 
-def candidate_bits(w, delta_rows, interp: bool, object_size: int, base=None) -> np.ndarray:
+def candidate_bits(w, delta_rows, interp: bool, object_size: int, base=None, chan=None) -> np.ndarray:
     """Estimated bits per channel (zeroth-order entropy of the symbols) of coding ``w - base``
     with or without token interpolation: the encoder's cost for choosing predictor modes."""
     w = np.ascontiguousarray(w, np.float32)
     b = _EMPTY if base is None else np.ascontiguousarray(base, np.float32)
     out = np.empty(w.shape[1])
-    _candidate_bits(w, b, np.ascontiguousarray(delta_rows, np.float32), bool(interp), int(object_size), out)
+    _candidate_bits(w, b, np.ascontiguousarray(delta_rows, np.float32), channel_steps(chan, w.shape[1]),
+                    bool(interp), int(object_size), out)
     return out

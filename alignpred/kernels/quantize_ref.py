@@ -18,11 +18,17 @@ import numpy as np
 from alignpred.errors import EncodeError
 
 
-def quantize_residual(w: np.ndarray, delta_rows: np.ndarray, interp: np.ndarray, object_size: int):
+def _steps(delta_rows, chan, d: int) -> np.ndarray:
+    """The step of every value ``[n, d]`` (or ``[n, 1]`` without ``chan``), float32."""
+    dr = np.asarray(delta_rows, np.float32)[:, None]
+    return dr if chan is None else dr * np.asarray(chan, np.float32).reshape(1, d)
+
+
+def quantize_residual(w: np.ndarray, delta_rows: np.ndarray, interp: np.ndarray, object_size: int, chan=None):
     """Quantise the base residual ``w [n, d]`` (rows = positions from an object boundary, each
-    row's step in ``delta_rows``); channels with ``interp`` use token interpolation.
-    Returns ``(q int32 [n, d], reconstructed residual [n, d])``."""
-    dr = delta_rows[:, None].astype(np.float32)
+    row's step in ``delta_rows``, times ``chan[c]`` in channel ``c`` when given); channels with
+    ``interp`` use token interpolation. Returns ``(q int32 [n, d], reconstructed residual [n, d])``."""
+    dr = _steps(delta_rows, chan, w.shape[1])
     q = np.rint(w.astype(np.float32) / dr)
     wh = q * dr
     if interp.any():
@@ -30,11 +36,12 @@ def quantize_residual(w: np.ndarray, delta_rows: np.ndarray, interp: np.ndarray,
         wi = w[:, cols]
         qi = q[:, cols]
         whi = wh[:, cols]
+        dri = dr if chan is None else dr[:, cols]
         pred = interp_prediction(whi, object_size)
         odd = slice(1, None, 2)
-        qo = np.rint((wi[odd] - pred) / dr[odd])
+        qo = np.rint((wi[odd] - pred) / dri[odd])
         qi[odd] = qo
-        whi[odd] = pred + qo * dr[odd]
+        whi[odd] = pred + qo * dri[odd]
         q[:, cols] = qi
         wh[:, cols] = whi
     if q.size and float(np.max(np.abs(q))) >= 2.0 ** 30:
@@ -53,16 +60,17 @@ def interp_prediction(wh: np.ndarray, object_size: int) -> np.ndarray:
     return np.where(ok[:, None], 0.5 * (left + right), left)
 
 
-def dequantize_residual(q: np.ndarray, delta_rows: np.ndarray, interp: np.ndarray, object_size: int):
+def dequantize_residual(q: np.ndarray, delta_rows: np.ndarray, interp: np.ndarray, object_size: int, chan=None):
     """Decoder side of :func:`quantize_residual`."""
-    dr = delta_rows[:, None].astype(np.float32)
+    dr = _steps(delta_rows, chan, q.shape[1])
     q = q.astype(np.float32)
     wh = q * dr
     if interp.any():
         cols = np.nonzero(interp)[0]
         whi = wh[:, cols]
+        dri = dr if chan is None else dr[:, cols]
         pred = interp_prediction(whi, object_size)
-        whi[1::2] = pred + q[1::2][:, cols] * dr[1::2]
+        whi[1::2] = pred + q[1::2][:, cols] * dri[1::2]
         wh[:, cols] = whi
     return wh.astype(np.float32)
 

@@ -157,7 +157,28 @@ def vectors():
          _real_v12,
          dict(eps=0.03, scope="tensor", config=CodecConfig(), embed_bank=True, coder="lanes32"),
          dict(rank=8, rotations=False)),
+        # format 1.3: per-channel steps, stale rows of sliding layers, the attention scope (kvz.md 8.5, 8.8)
+        ("v13-synth-attention-stale",
+         lambda: _synthetic(3, 1, 600, 16, np.float16, 31),  # half pairing, every layer sliding
+         dict(eps=0.03, scope="attention", config=CodecConfig(), embed_bank=True, tensor_cap=3.0,
+              weights={"layers.0.key": 3.0, "layers.0.value": 1.0, "layers.1.key": 2.0, "layers.1.value": 0.5,
+                       "layers.2.key": 4.0, "layers.2.value": 1.5},
+              attention_stats=lambda bank: _attention_stats(bank, 3, 16, window=64)),
+         dict(rank=8, rotations=False)),
     ]
+
+
+def _attention_stats(bank, n_layers, d, window):
+    """Uneven attention statistics for a synthetic vector (pair-constant key weights)."""
+    from dataclasses import replace
+
+    from alignpred.bank import AttentionStats
+
+    rng = np.random.default_rng(7)
+    s = AttentionStats.empty("synthetic", bank.id, ["sliding_attention"] * n_layers, kv_heads=1, head_dim=d)
+    half = rng.lognormal(0.0, 1.5, (n_layers, 1, d // 2))
+    return replace(s, key_channel=np.concatenate([half, half], axis=-1),
+                   value_gram_diag=rng.lognormal(0.0, 0.5, (n_layers, 1, d)), sliding_window=window)
 
 
 def vectors_10():
@@ -280,6 +301,8 @@ def make(name, factory, ckw, bkw, out=HERE) -> dict:
         bank.save(p_bank)
         bank = Bank.load(p_bank)
         files["bank"] = os.path.basename(p_bank)
+    if callable(ckw.get("attention_stats")):  # statistics made for this vector's bank
+        ckw = dict(ckw, attention_stats=ckw["attention_stats"](bank))
     # synthetic keys are only said to carry RoPE: skip the check that they look rotated (it changes no byte)
     info = compress(cache, p_kvz, bank=bank, trust_rope=True, **ckw)
     r = KvzReader(p_kvz, bank=None if ckw["embed_bank"] else bank, threads=1)
@@ -326,7 +349,8 @@ def make(name, factory, ckw, bkw, out=HERE) -> dict:
         "compress": {"eps": ckw["eps"], "eps_scope": ckw["scope"], "config": ckw["config"].to_json(),
                      "embed_bank": ckw["embed_bank"], "coder": ckw.get("coder", "rans4"),
                      "lossless": bool(ckw.get("lossless")),
-                     "tensor_cap": ckw.get("tensor_cap", 3.0) if ckw["scope"] in ("pooled", "weighted") else 0.0,
+                     "tensor_cap": ckw.get("tensor_cap", 3.0) if ckw["scope"] in ("pooled", "weighted", "attention")
+                     else 0.0,
                      "weights": ckw.get("weights")},
         "bank_fit": {k: v for k, v in bkw.items()},
         "bank_id": bank.id,

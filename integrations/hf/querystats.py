@@ -295,7 +295,17 @@ def capture_stats(model, stats: PrefillStats, ids: Sequence[int], *, model_id: s
                         if norm else "o_proj blocks of the group's heads",
                         meta={"queries": "pre-RoPE, after q_norm where the model has one, summed over the GQA "
                                          "group's heads, mean over tokens",
-                              "seconds": round(float(stats.info.get("seconds", 0.0)), 3)})
+                              "seconds": round(float(stats.info.get("seconds", 0.0)), 3),
+                              "sliding_window": _sliding_window(model)})
+
+
+def _sliding_window(model) -> int:
+    """The attention window of the model's sliding-window layers (0 if it has none)."""
+    from kvz.integrations.hf.bridge import text_config
+
+    cfg = text_config(model)
+    return int(getattr(cfg, "sliding_window", 0) or 0) if any(
+        "sliding" in str(t) for t in (getattr(cfg, "layer_types", None) or ())) else 0
 
 
 def _norm_gain(norm, dim: int):

@@ -668,7 +668,12 @@ def spec_decode(raw: bytes, bank) -> tuple:
                 zero.append(np.full(n, bool(e["flags"] & OBJ_ZERO)))
             dr = np.concatenate(deltas)
             dr[:n_sink] *= np.float32(cfg.get("sink_scale", 1.0))  # spec 8.5: sink rows' step
+            if cfg.get("stale_window", 0) and "sliding" in str(lay.get("layer_types", [""] * L)[i]):
+                # spec 8.5 (1.3): rows no query after the file's end attends, after the sink's factor
+                dr[:max(0, T - (cfg["stale_window"] - 1))] *= np.float32(cfg["stale_scale"])
             Q, dr, zr = np.concatenate(qs, axis=1).T, dr[:, None], np.concatenate(zero)
+            codes = (np.frombuffer(base64.b64decode(t["step_codes"]), np.uint8).reshape(H, d)
+                     if cfg.get("channel_steps") else None)
             res = np.empty((H, T, d), out_dt)
             for hh in range(H):
                 b = f"{kind}.{i}.{hh}"
@@ -707,12 +712,15 @@ def spec_decode(raw: bytes, bank) -> tuple:
                     Y = np.float32(lam / k) * sum(rec[s] for s in g[:k])
                     P = np.where((m & 3) == 2, Y, P)
                 Qh = Q[:, hh * d:(hh + 1) * d].astype(np.float32)
-                w = Qh * dr
+                drh = dr  # spec 8.5 (1.3): the step of (r, c) is float32(delta_r * code / 32)
+                if codes is not None:
+                    drh = dr * (codes[hh].astype(np.float32) / np.float32(32))[None, :]
+                w = Qh * drh
                 interp = (m & 4) != 0
                 for r in range(1, T, 2):
                     right_ok = r + 1 < T and (r + 1) % S != 0
                     pred = np.float32(0.5) * (w[r - 1] + w[r + 1]) if right_ok else w[r - 1]
-                    w[r, interp] = (pred + Qh[r] * dr[r])[interp]
+                    w[r, interp] = (pred + Qh[r] * drh[r])[interp]
                 rb = P + w
                 if exact:
                     rb[zr] = np.float32(0.0) - mu

@@ -136,3 +136,37 @@ def _hash_case():
             h.update(rec.tobytes())
             h.update(nat.tobytes())
     return h.hexdigest()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 300])
+def test_channel_steps_match_the_definition_and_the_encoder(dtype, n):
+    """Format 1.3 per-channel step multipliers: the fused pass equals reference_post bit for bit,
+    equals the encoder's reconstruction (quantize), and multipliers of 1 change nothing."""
+    from alignpred.kernels.quantize import dequant_add, quantize
+    from alignpred.kernels.quantize_ref import dequantize_residual, quantize_residual
+
+    rng = np.random.default_rng(n)
+    d, S = 16, 256
+    w = (3 * rng.standard_normal((n, d))).astype(np.float32)
+    base = rng.standard_normal((n, d)).astype(np.float32)
+    delta = np.full(n, 0.1, np.float32)
+    delta[0] = 0.00625
+    chan = (rng.integers(1, 256, d) / 32).astype(np.float32)
+    interp = rng.random(d) < 0.5
+    mean = rng.standard_normal(d).astype(np.float32)
+    q, wh, _ = quantize(w, delta, interp, S, base=base, chan=chan)
+    q_ref, wh_ref = quantize_residual(w - base, delta, interp, S, chan=chan)
+    assert np.array_equal(q, q_ref) and np.array_equal(wh, wh_ref)
+    assert np.array_equal(dequantize_residual(q, delta, interp, S, chan=chan), wh)
+    rr, nr = reference_post(base, q.T.copy(), delta, interp, S, mean, None, 3.0e38, dtype, chan=chan)
+    rec, nat = fused_post(base.copy(), q.T.copy(), delta, interp, S, mean, None, 3.0e38, dtype, chan=chan)
+    assert np.array_equal(rec.view(np.uint32), rr.view(np.uint32))
+    assert np.array_equal(np.asarray(nat).view(np.uint8), np.asarray(nr).view(np.uint8))
+    assert np.array_equal(rec.view(np.uint32), (base + wh).view(np.uint32))  # what the encoder predicts from
+    ones, _ = fused_post(base.copy(), q.T.copy(), delta, interp, S, mean, None, 3.0e38, dtype,
+                         chan=np.ones(d, np.float32))
+    plain, _ = fused_post(base.copy(), q.T.copy(), delta, interp, S, mean, None, 3.0e38, dtype)
+    assert np.array_equal(ones.view(np.uint32), plain.view(np.uint32))
+    step = delta[:, None] * chan[None, :]  # float32 products, as the spec's delta_{r,c}
+    assert np.array_equal(dequant_add(base, q.T.copy(), delta, chan), base + q.astype(np.float32) * step)

@@ -1,0 +1,163 @@
+"""The attention scope (format 1.3): per-channel step multipliers from the bank's attention
+statistics, coarser steps for positions no later query of a sliding-window layer attends, and an
+error measure weighted by ``1 / multiplier²`` that the encoder bounds by decoding."""
+import copy
+
+import numpy as np
+import pytest
+from conftest import synthetic_cache
+
+from alignpred import KvzError, KvzReader, compress, fit_bank
+from alignpred.bank import AttentionStats
+from alignpred.codec.channel_steps import MAX_STEP, STALE_SCALE, codes_for_weights, step_codes
+from alignpred.codec.config import CodecConfig
+from alignpred.errors import FormatError
+from alignpred.format.header import check_header, tensor_metas
+
+T, D, L, WINDOW = 600, 32, 3, 64
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A roped synthetic cache (sliding layers), its bank file and a sidecar with uneven weights."""
+    tmp = tmp_path_factory.mktemp("att")
+    c = synthetic_cache(n_layers=L, T=T, d=D, roped=True, seed=3)
+    bank = fit_bank([synthetic_cache(n_layers=L, T=T, d=D, roped=True, seed=4)], rank=8)
+    bank_path = tmp / "b.h5"
+    bank.save(bank_path)
+    rng = np.random.default_rng(0)
+    s = AttentionStats.empty("synthetic", bank.id, ["sliding_attention"] * L, kv_heads=1, head_dim=D)
+    half = rng.lognormal(0.0, 1.5, (L, 1, D // 2))
+    key = np.concatenate([half, half], axis=-1)  # pair-constant, as queries' phase-averaged moments are
+    from dataclasses import replace
+    s = replace(s, key_channel=key, value_gram_diag=rng.lognormal(0.0, 0.5, (L, 1, D)), sliding_window=WINDOW)
+    s.save(AttentionStats.path_for(bank_path))
+    weights = {n: w for n, w in zip(c.layout.tensor_names(), np.linspace(1.0, 3.0, 2 * L))}
+    return c, bank_path, s, weights, tmp
+
+
+def _measure(c, out, stats, cfg):
+    """Per tensor ``(weighted squared error, weighted squared norm)`` as the scope defines them."""
+    codes = step_codes(stats, c.layout, cfg)
+    res = []
+    for ti, name in enumerate(c.layout.tensor_names()):
+        layer = ti // 2
+        wc = (32.0 / codes[ti].astype(np.float64)) ** 2
+        g = np.ones(T, np.float32)
+        cfg.scale_sink(g, 0, 0)
+        cfg.scale_stale(g, 0, c.layout, layer)
+        wr = 1.0 / g.astype(np.float64) ** 2
+        x = c.tensors[name][0].astype(np.float64)
+        dlt = out[name][0].astype(np.float64) - x
+        res.append((float(np.einsum("tc,tc,c,t->", dlt, dlt, wc, wr)), float(np.einsum("tc,tc,c,t->", x, x, wc, wr))))
+    return res
+
+
+def test_codes_follow_inverse_sqrt_weights():
+    assert codes_for_weights(np.array([1.0, 4.0, 0.25, 0.0])).tolist() == [32, 16, 64, 255]
+    w = np.geomspace(1e-4, 1e4, 9)
+    g = codes_for_weights(w) / 32.0
+    assert g.min() == pytest.approx(0.25) and g.max() == pytest.approx(MAX_STEP)
+    assert np.all(np.diff(g) <= 0)  # heavier channel, finer step
+    assert codes_for_weights(np.zeros(4)).tolist() == [32] * 4  # nothing measured: even steps
+
+
+def test_attention_scope_bounds_its_measure_by_decoding(setup):
+    c, bank_path, stats, weights, tmp = setup
+    eps = 0.03
+    info = compress(c, tmp / "a.kvz", eps=eps, bank=bank_path, scope="attention", weights=weights)
+    r = KvzReader(tmp / "a.kvz", bank=bank_path)
+    assert r.version == (1, 3)
+    cfg = r.config
+    assert cfg.channel_steps and cfg.stale_window == WINDOW and cfg.stale_scale == STALE_SCALE
+    out = r.read()
+    m = _measure(c, out, stats, cfg)
+    w = np.array([weights[n] for n in c.layout.tensor_names()])
+    a2 = np.array([e / n for e, n in m])
+    assert float(np.sum(w * a2)) <= eps ** 2 * float(w.sum())  # the joint budget, measured on the decode
+    assert float(np.sum(w * a2)) > 0.8 * eps ** 2 * float(w.sum())  # and spent
+    assert np.all(np.sqrt(a2) <= 3.0 * eps + 1e-12)  # the tensor cap
+    for ti, name in enumerate(c.layout.tensor_names()):  # the header's statistics are the decoded ones
+        assert np.sqrt(a2[ti]) == pytest.approx(info.nrmse_tensor[name], rel=1e-9)
+
+
+def test_steps_follow_the_weights(setup):
+    c, bank_path, stats, weights, tmp = setup
+    compress(c, tmp / "b.kvz", eps=0.03, bank=bank_path, scope="attention", weights=weights)
+    out = KvzReader(tmp / "b.kvz", bank=bank_path).read()
+    first_live = T - (WINDOW - 1)
+    for name in c.layout.tensor_names():
+        x = c.tensors[name][0].astype(np.float64)
+        e = np.abs(out[name][0].astype(np.float64) - x)
+        assert e[1:first_live].mean() > 3.0 * e[first_live:].mean()  # stale rows: coarser
+    k = c.tensors["layers.1.key"][0].astype(np.float64)
+    e = (out["layers.1.key"][0].astype(np.float64) - k)[T - WINDOW + 1:] ** 2  # live rows
+    kw = stats.key_weights()[1, 0]
+    heavy, light = kw >= np.quantile(kw, 0.75), kw <= np.quantile(kw, 0.25)
+    assert e[:, heavy].mean() < 0.5 * e[:, light].mean()
+
+
+def test_other_scopes_write_no_13_keys(setup, tmp_path):
+    c, bank_path, _, weights, _ = setup
+    compress(c, tmp_path / "w.kvz", eps=0.03, bank=bank_path, scope="weighted", weights=weights)
+    r = KvzReader(tmp_path / "w.kvz", bank=bank_path)
+    assert r.version == (1, 1)
+    cj = r.config.to_json()
+    assert "channel_steps" not in cj and "stale_window" not in cj
+
+
+def test_bank_without_statistics_is_a_one_line_error(tmp_path):
+    c = synthetic_cache(n_layers=L, T=300, d=D, roped=True)
+    bank = fit_bank([c], rank=4)
+    bank.save(tmp_path / "plain.h5")
+    with pytest.raises(KvzError, match="kvz calibrate.*--attention-stats") as e:
+        compress(c, tmp_path / "x.kvz", eps=0.03, bank=tmp_path / "plain.h5", scope="attention",
+                 weights={n: 1.0 for n in c.layout.tensor_names()})
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "x.kvz").exists()
+
+
+def test_config_rejects_bad_switches():
+    with pytest.raises(KvzError):
+        CodecConfig(channel_steps=True, align=True)
+    with pytest.raises(KvzError):
+        CodecConfig(stale_window=-1)
+    with pytest.raises(KvzError):
+        CodecConfig(stale_window=8, stale_scale=0.5)
+    cfg = CodecConfig(stale_window=8, stale_scale=float(STALE_SCALE))
+    assert CodecConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_header_checks(setup):
+    c, bank_path, _, weights, tmp = setup
+    compress(c, tmp / "h.kvz", eps=0.05, bank=bank_path, scope="attention", weights=weights)
+    h = KvzReader(tmp / "h.kvz", bank=bank_path).header
+    check_header(h)
+    lay = KvzReader(tmp / "h.kvz", bank=bank_path).layout
+    assert all(m.step_codes is not None for m in tensor_metas(h, lay))
+
+    def bad(mutate, match):
+        g = copy.deepcopy(h)
+        mutate(g)
+        with pytest.raises(FormatError, match=match):
+            check_header(g)
+            tensor_metas(g, lay)
+
+    bad(lambda g: g["tensors"][0].pop("step_codes"), "step_codes")
+    bad(lambda g: g["tensors"][1].__setitem__("step_codes", "AAAA"), "step_codes")
+    import base64
+    zero = base64.b64encode(bytes(D)).decode()
+    bad(lambda g: g["tensors"][2].__setitem__("step_codes", zero), "zero step code")
+    bad(lambda g: g["codec"]["config"].pop("stale_scale"), "stale_window/stale_scale")
+    bad(lambda g: g["codec"]["config"].__setitem__("stale_scale", 0.5), "stale_window/stale_scale")
+
+
+def test_written_header_matches_the_schema(setup):
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+    import os
+    c, bank_path, _, weights, tmp = setup
+    compress(c, tmp / "s.kvz", eps=0.05, bank=bank_path, scope="attention", weights=weights)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    schema = json.load(open(os.path.join(root, "format_spec", "header.schema.json")))
+    jsonschema.validators.validator_for(schema)(schema).validate(KvzReader(tmp / "s.kvz", bank=bank_path).header)
