@@ -56,12 +56,15 @@ __all__ = ["KV", "Setting", "run_quality", "default_prompts", "kvz_setting", "fp
 # ============================================================================ settings
 
 class KV(dict):
-    """K/V handed to a setting: ``{name: bf16 array [kv_heads, T, head_dim]}`` plus ``.fp32`` and ``.metadata``."""
+    """K/V handed to a setting: ``{name: bf16 array [kv_heads, T, head_dim]}`` plus ``.fp32``, ``.metadata`` and
+    ``.capture_stats`` (the prefill's :class:`alignpred.bank.CaptureStats`, when it was recorded: what kvz's attention
+    scope weighs positions by, as ``kvz capture --attention-stats`` records it beside a cache)."""
 
-    def __init__(self, tensors, fp32=None, metadata=None):
+    def __init__(self, tensors, fp32=None, metadata=None, capture_stats=None):
         super().__init__(tensors)
         self.fp32 = fp32 if fp32 is not None else {}
         self.metadata = metadata if metadata is not None else {}
+        self.capture_stats = capture_stats
 
 
 class Setting:
@@ -155,7 +158,9 @@ def kvz_setting(bank, eps: float, scope: str = "tensor", **kw) -> Setting:
         with tempfile.TemporaryDirectory(prefix="kvz-quality-") as d:
             path = os.path.join(d, "c.kvz")
             t0 = time.perf_counter()
-            ci = compress(cache, path, eps=eps, bank=bank, scope=scope, **kw)
+            extra = {"capture_stats": kv.capture_stats} if scope == "attention" and getattr(
+                kv, "capture_stats", None) is not None else {}
+            ci = compress(cache, path, eps=eps, bank=bank, scope=scope, **kw, **extra)
             t1 = time.perf_counter()
             out = KvzReader(path, bank=bank).read()
             t2 = time.perf_counter()

@@ -18,7 +18,7 @@ Per layer ``l`` and KV head ``g`` (``d = head_dim``):
   ``Σ_c frame[c] d_c``.
 * ``sliding_window``: the attention window of the model's sliding-window layers (``layer_types``
   naming ``sliding``), 0 when it has none or it is not known: the attention scope codes positions
-  such a layer never attends again more coarsely (:mod:`alignpred.codec.channel_steps`).
+  such a layer never attends again more coarsely (:mod:`alignpred.codec.attention_steps`).
 * ``token_prior[l, g, j]``: attention mass received by the first ``P`` positions relative to the
   mean (the mass of position ``j`` times the number of positions: 1 = an average token), mean over
   the calibration prefills; ``token_quantiles[l, g, :]`` the quantiles (``quantile_levels``) of

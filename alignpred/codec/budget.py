@@ -141,6 +141,13 @@ class TensorMeta:
     objects: list = field(default_factory=list, repr=False)
     refine_models: np.ndarray | None = None  # uint8 [kv_heads * head_dim]: refinement tier's models
     step_codes: np.ndarray | None = None  # uint8 [kv_heads * head_dim] in 1..255 (config.channel_steps)
+    row_codes: np.ndarray | None = None  # uint8 [n_tokens] in 1..255 (config.row_steps)
+
+    def row_steps(self) -> np.ndarray | None:
+        """Per-position step multipliers ``row_codes / 32`` (float32 [n_tokens], exact), or None."""
+        if self.row_codes is None:
+            return None
+        return self.row_codes.astype(np.float32) / np.float32(STEP_UNIT)
 
     def channel_steps(self, head: int, head_dim: int) -> np.ndarray | None:
         """Head ``head``'s per-channel step multipliers ``step_codes / 32`` (float32 [head_dim],

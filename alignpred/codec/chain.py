@@ -48,14 +48,17 @@ class Chain:
         for b in [b for b in recon if self._last_use.get(b, -1) <= k]:
             del recon[b]
 
-    def delta_rows(self, delta_obj, zero_obj, start: int, n_rows: int | None = None, layer: int = 0):
-        """Per-row steps (float32, sink rows and stale rows of ``layer`` scaled, zero objects' rows
-        1.0) and the zero-row mask for consecutive objects from file position ``start``."""
+    def delta_rows(self, delta_obj, zero_obj, start: int, n_rows: int | None = None, layer: int = 0, rows=None):
+        """Per-row steps (float32, sink rows and stale rows of ``layer`` scaled, then times the
+        tensor's per-position multipliers ``rows`` [n_tokens] when given; zero objects' rows 1.0)
+        and the zero-row mask for consecutive objects from file position ``start``."""
         S = self.config.object_size
         n = min(len(delta_obj) * S, self.layout.n_tokens - start) if n_rows is None else n_rows
         delta_rows = np.repeat(np.asarray(delta_obj, np.float32), S)[:n]
         self.config.scale_sink(delta_rows, start, self.layout.position_offset)
         self.config.scale_stale(delta_rows, start, self.layout, layer)
+        if rows is not None:
+            delta_rows *= rows[start:start + n]
         zero_rows = np.repeat(np.asarray(zero_obj, bool), S)[:n]
         delta_rows[zero_rows] = 1.0
         return delta_rows, zero_rows

@@ -40,6 +40,9 @@ class CodecConfig:
     (format 1.3): in sliding-window layers (``layout.layer_types`` naming ``sliding``), positions
     that no later query attends — older than the last ``stale_window - 1`` positions of the file
     — are quantised with the step times ``stale_scale`` (``stale_window = 0``: off).
+    ``row_steps`` (format 1.3): every tensor carries a step multiplier per position
+    (``tensors[].row_codes``, ``code / 32``; the attention scope sets it from the attention the
+    positions received during the prefill, when the capture recorded it).
     A header without a key means its kvz 0.1 value (sink off, file origin, float).
     """
 
@@ -58,6 +61,7 @@ class CodecConfig:
     channel_steps: bool = False
     stale_window: int = 0
     stale_scale: float = 1.0
+    row_steps: bool = False
 
     def __post_init__(self):
         scale = float(self.sink_scale)
@@ -79,8 +83,8 @@ class CodecConfig:
             raise KvzError("stale_window must be >= 0 and stale_scale a float32 in [1, 256]")
         if self.stale_window and self.arith != "exact":
             raise KvzError("stale_window (coarser steps for positions no query reads) needs exact arithmetic")
-        if self.channel_steps and self.arith != "exact":
-            raise KvzError("channel_steps (per-channel step multipliers) needs exact arithmetic (format 1.1+)")
+        if (self.channel_steps or self.row_steps) and self.arith != "exact":
+            raise KvzError("channel_steps and row_steps (step multipliers) need exact arithmetic (format 1.1+)")
         if not (isinstance(self.object_size, int) and 2 <= self.object_size <= 1 << 16 and self.object_size % 2 == 0):
             raise KvzError("object_size must be an even integer in 2..65536")
 
@@ -97,6 +101,8 @@ class CodecConfig:
             del d["channel_steps"]
         if not self.stale_window:
             del d["stale_window"], d["stale_scale"]
+        if not self.row_steps:
+            del d["row_steps"]
         return d
 
     @classmethod

@@ -136,7 +136,7 @@ class Decoder(Chain):
                 break
             meta = metas[ti]
             q, deltas, zero = self._symbols(meta.models, fetch, ti, j0, j1, n_rows, meta.name)
-            delta_rows, zr = self.delta_rows(deltas, zero, start, n_rows, layer)
+            delta_rows, zr = self.delta_rows(deltas, zero, start, n_rows, layer, meta.row_steps())
             emit = layer in wanted
 
             dst: Any = None

@@ -59,7 +59,7 @@ class Encoder(Chain):
     """
 
     def __init__(self, layout, bank, config, budget: ErrorBudget, coder: str = "rans4", chunk_objects: int = 2,
-                 plans=None, weights=None, threads: int | None = None, step_codes=None):
+                 plans=None, weights=None, threads: int | None = None, step_codes=None, row_codes=None):
         super().__init__(layout, bank, config, coder, plans)
         if budget.eps is None:
             raise EncodeError("the encoder needs a resolved budget (ErrorBudget.resolved): eps is not known yet")
@@ -87,6 +87,17 @@ class Encoder(Chain):
             raise EncodeError("step codes need config.channel_steps")
         else:
             self.step_codes = None
+        self.row_codes: list | None = None
+        self._rows_mult: list = [None] * n_t
+        if config.row_steps:
+            rc = list(row_codes) if row_codes is not None else []
+            if len(rc) != n_t or not all(np.asarray(c).shape == (layout.n_tokens,) and np.asarray(c).dtype == np.uint8
+                                         and int(np.asarray(c).min()) >= 1 for c in rc):
+                raise EncodeError(f"row_steps needs {n_t} uint8 row-code arrays [{layout.n_tokens}] in 1..255")
+            self.row_codes = [np.asarray(c, np.uint8) for c in rc]
+            self._rows_mult = [c.astype(np.float32) / np.float32(STEP_UNIT) for c in self.row_codes]
+        elif row_codes is not None:
+            raise EncodeError("row codes need config.row_steps")
         # The attention scope measures error weighted by 1 / (step multiplier)² of every value
         # (channel and row multipliers): what the multipliers encode as the model's weights.
         self.measure_weighted = self.scope == "attention"
@@ -169,6 +180,9 @@ class Encoder(Chain):
         steps = np.ones(len(e), np.float32)
         self.config.scale_sink(steps, start, self.layout.position_offset)
         self.config.scale_stale(steps, start, self.layout, layer)
+        rows = self._rows_mult[ti]
+        if rows is not None:
+            steps *= rows[start:start + len(e)]
         return e / np.square(steps.astype(np.float64))
 
     def _row_errors(self, rec, xh, blk, start) -> np.ndarray:
@@ -220,8 +234,8 @@ class Encoder(Chain):
             Predictions are kept in ``preds`` while ``local`` (the sources) is unchanged."""
             layer, kind = self.tensors[ti]
             x, z = sample(ti)
-            dr, zr = zip(*(self.delta_rows(delta_obj[k:k + 1], zero[ti, j:j + 1], j * S, layer=layer)
-                           for k, j in enumerate(objs)))
+            dr, zr = zip(*(self.delta_rows(delta_obj[k:k + 1], zero[ti, j:j + 1], j * S, layer=layer,
+                                           rows=self._rows_mult[ti]) for k, j in enumerate(objs)))
             delta_rows, zero_rows = np.concatenate(dr), np.concatenate(zr)
             loc = dict(local)
             err = np.zeros(len(objs))
@@ -348,7 +362,8 @@ class Encoder(Chain):
         out = []
         for ti, (layer, kind) in enumerate(self.tensors):
             x = self._rows(tensors, ti, a, b)
-            delta_rows, zero_rows = self.delta_rows(delta[ti, j0:j1], zero[ti, j0:j1], a, layer=layer)
+            delta_rows, zero_rows = self.delta_rows(delta[ti, j0:j1], zero[ti, j0:j1], a, layer=layer,
+                                                    rows=self._rows_mult[ti])
             q = np.empty((b - a, H * d), np.int32)
             err = np.zeros(j1 - j0)
             for h in range(H):
@@ -480,5 +495,6 @@ class Encoder(Chain):
             yield ob
         self.metas = [TensorMeta(name=tensor_name(layer, kind), modes=modes[ti].astype(np.uint8), models=models[ti],
                                  sq_err=float(err[ti].sum()), sq_norm=float(norms[ti].sum()),
-                                 step_codes=None if self.step_codes is None else self.step_codes[ti])
+                                 step_codes=None if self.step_codes is None else self.step_codes[ti],
+                                 row_codes=None if self.row_codes is None else self.row_codes[ti])
                       for ti, (layer, kind) in enumerate(self.tensors)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import math
+import zlib
 
 import numpy as np
 
@@ -44,6 +45,22 @@ def unb64(s, n: int, what: str) -> np.ndarray:
     return np.frombuffer(b, np.uint8)
 
 
+def _inflate(s, n: int, what: str) -> np.ndarray:
+    """``n`` bytes from base64 of a zlib stream (RFC 1950); anything else is a FormatError."""
+    try:
+        raw = base64.b64decode(s, validate=True)
+    except (ValueError, TypeError):
+        raise FormatError(f"header field {what} is not base64") from None
+    d = zlib.decompressobj()
+    try:
+        b = d.decompress(raw, n + 1)  # never more than one byte past what a valid field holds
+    except zlib.error:
+        raise FormatError(f"header field {what} is not a zlib stream") from None
+    if len(b) != n or not d.eof or d.unconsumed_tail or d.unused_data:
+        raise FormatError(f"header field {what} does not inflate to exactly {n} bytes")
+    return np.frombuffer(b, np.uint8)
+
+
 TIERS = ("coarse", "exact")
 
 
@@ -52,7 +69,7 @@ def minor_for(layout, config, scope: str = "tensor", tiers=("coarse",), coder: s
     (``config.channel_steps``, the attention scope); 1.2 for the ``lanes32`` entropy coder;
     1.1 for exact arithmetic, an absolute sink, an exact RoPE spec, a tensor cap or a refinement
     tier; 1.0 otherwise (kvz 0.1)."""
-    if config.channel_steps or config.stale_window:
+    if config.channel_steps or config.stale_window or config.row_steps:
         return 3
     if coder == "lanes32":
         return 2
@@ -85,6 +102,8 @@ def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas
             t["refine_models"] = b64(m.refine_models)
         if m.step_codes is not None:
             t["step_codes"] = b64(m.step_codes)
+        if m.row_codes is not None:  # one byte per position, deflated (RFC 1950)
+            t["row_codes"] = base64.b64encode(zlib.compress(m.row_codes.tobytes(), 9)).decode("ascii")
         return t
 
     return {
@@ -101,6 +120,7 @@ def tensor_metas(h: dict, layout) -> list:
     """The per-tensor modes/models (and refinement models) of a validated header."""
     refined = bool(h.get("flags", 0) & FLAG_REFINE)
     stepped = bool(h["codec"]["config"].get("channel_steps", False))
+    rowed = bool(h["codec"]["config"].get("row_steps", False))
     C = layout.kv_heads * layout.head_dim
     tensors = h["tensors"]
     if not isinstance(tensors, list) or len(tensors) != 2 * layout.num_layers:
@@ -122,6 +142,10 @@ def tensor_metas(h: dict, layout) -> list:
             m.step_codes = unb64(t.get("step_codes"), C, f"{name}.step_codes")
             if int(m.step_codes.min()) < 1:
                 raise FormatError(f"header field {name}.step_codes holds a zero step code (codes are 1..255)")
+        if rowed:
+            m.row_codes = _inflate(t.get("row_codes"), layout.n_tokens, f"{name}.row_codes")
+            if int(m.row_codes.min()) < 1:
+                raise FormatError(f"header field {name}.row_codes holds a zero step code (codes are 1..255)")
         metas.append(m)
     return metas
 
@@ -137,7 +161,8 @@ _LAYOUT_TYPES = {"num_layers": "int", "kv_heads": "int", "head_dim": "int", "n_t
 _CONFIG_TYPES = {"object_size": "int", "align": "bool", "inter_map": "bool", "blend": "bool", "intra": "bool",
                  "channel_choice": "bool", "rope_undo": "bool", "lambdas": "list", "sink_tokens": "int",
                  "sink_scale": "float", "sink_origin": "str", "arith": "str", "channel_steps": "bool",
-                 "stale_window": "int", "stale_scale": "float"}
+                 "stale_window": "int", "stale_scale": "float",
+                 "row_steps": "bool"}
 _PY = {"int": int, "str": str, "bool": bool, "list": list, "dict": dict, "float": float}
 
 
@@ -198,8 +223,8 @@ def check_header(h: dict) -> None:
     if refined and cfg.get("arith") != "exact":
         raise FormatError("a refinement tier needs exact arithmetic")
     stepped = bool(cfg.get("channel_steps", False))
-    if stepped and cfg.get("arith") != "exact":
-        raise FormatError("codec.config.channel_steps needs exact arithmetic")
+    if (stepped or cfg.get("row_steps", False)) and cfg.get("arith") != "exact":
+        raise FormatError("codec.config.channel_steps and row_steps need exact arithmetic")
     if ("stale_window" in cfg) != ("stale_scale" in cfg) or not 0 <= cfg.get("stale_window", 0) <= MAX_TOKENS \
             or not (_f32(cfg.get("stale_scale", 1.0)) and 1 <= cfg.get("stale_scale", 1.0) <= 256):
         raise FormatError("codec.config.stale_window/stale_scale out of range")
@@ -224,9 +249,10 @@ def check_header(h: dict) -> None:
     if not isinstance(h["tensors"], list):
         raise FormatError("header field tensors must be a list")
     for t in h["tensors"]:
-        _typed(t, {"name": "str", "modes": "str", "models": "str", "refine_models": "str", "step_codes": "str"},
+        _typed(t, {"name": "str", "modes": "str", "models": "str", "refine_models": "str", "step_codes": "str",
+                   "row_codes": "str"},
                "tensors[]", ("name", "modes", "models") + (("refine_models",) if refined else ())
-               + (("step_codes",) if stepped else ()))
+               + (("step_codes",) if stepped else ()) + (("row_codes",) if cfg.get("row_steps") else ()))
         if not (_nonneg(t.get("sq_err", 0.0)) and _nonneg(t.get("sq_norm", 0.0))):
             raise FormatError(f"header tensor {t['name']!r} has invalid error statistics")
     if not isinstance(h.get("source_metadata", {}), dict):

@@ -90,7 +90,7 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
              config: CodecConfig | None = None, embed_bank: bool = False, coder: str = CODER,
              tensor_cap: float | None = None, lossless: bool = False, weights=None, target_kl: float | None = None,
              threads: int | None = None, progress=None, budget: ErrorBudget | None = None,
-             trust_rope: bool = False, attention_stats=None) -> CompressInfo:
+             trust_rope: bool = False, attention_stats=None, capture_stats=None) -> CompressInfo:
     """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
     ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
     scope also caps every tensor at ``tensor_cap × eps``, 0 = no cap).
@@ -105,9 +105,12 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
     ``target_kl`` (instead of ``eps``): ask for a mean next-token KL divergence; with weights in
     KL per NRMSE² the weighted scope is used with ``eps = sqrt(target_kl / sum_t w_t)``.
     ``scope="attention"`` (format 1.3): the weighted budget in a measure that weighs every channel
-    and position by what attention reads of it (:mod:`alignpred.codec.channel_steps`), from
+    and position by what attention reads of it (:mod:`alignpred.codec.attention_steps`), from
     ``attention_stats`` (an :class:`~alignpred.bank.AttentionStats` of this bank; default: the
-    bank's sidecar, which ``kvz calibrate`` fits from captures made with ``--attention-stats``).
+    bank's sidecar, which ``kvz calibrate`` fits from captures made with ``--attention-stats``)
+    and, per position, from ``capture_stats`` (the :class:`~alignpred.bank.CaptureStats` of the
+    prefill that made this cache; default: the ``.capture-stats.json`` beside the cache file, as
+    ``kvz capture --attention-stats`` writes it; without one, positions get no weights of their own).
     ``lossless``: add the refinement tier (:mod:`alignpred.codec.refine`): the file then decodes to
     the original bits exactly, and its coarse tier (at ``eps``) stays readable alone
     (``KvzReader(..., tier="coarse")``), e.g. as a drafter's cache.
@@ -131,7 +134,7 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
             raise OutputExistsError(f"{os.fspath(out)} is the input cache; write the .kvz to another path")
         return _compress(cache, out, budget=budget, bank=bank, config=config, embed_bank=embed_bank,
                          coder=coder, lossless=lossless, threads=threads, progress=progress,
-                         trust_rope=trust_rope, attention_stats=attention_stats)
+                         trust_rope=trust_rope, attention_stats=attention_stats, capture_stats=capture_stats)
     except KvzError as e:
         if src and src not in str(e):
             raise type(e)(f"{src}: {e}") from None
@@ -214,7 +217,7 @@ def _attention_steps(bank_ref, bank, layout, config, stats=None):
     from dataclasses import replace
 
     from alignpred.bank.attention_stats import find_attention_stats
-    from alignpred.codec.channel_steps import STALE_SCALE, step_codes
+    from alignpred.codec.attention_steps import STALE_SCALE, step_codes
 
     if stats is None:
         try:
@@ -234,8 +237,26 @@ def _attention_steps(bank_ref, bank, layout, config, stats=None):
     return config, step_codes(stats, layout, config)
 
 
+def _row_steps(cache, layout, config, capture=None):
+    """``(config, row codes or None)``: per-position steps from the prefill's attention when its
+    statistics are given or lie beside the cache file (:func:`~alignpred.bank.find_capture_stats`)."""
+    from dataclasses import replace
+
+    from alignpred.bank.capture_stats import find_capture_stats
+    from alignpred.codec.attention_steps import row_codes
+
+    if capture is None:
+        capture = find_capture_stats(cache)
+    else:
+        capture.check_cache(cache, where="capture_stats")
+    if capture is None:
+        return config, None
+    config = replace(config, row_steps=True)
+    return config, row_codes(capture, layout, config)
+
+
 def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, coder, lossless, threads,
-              progress, trust_rope: bool = False, attention_stats=None) -> CompressInfo:
+              progress, trust_rope: bool = False, attention_stats=None, capture_stats=None) -> CompressInfo:
     config = config or CodecConfig()
     lay = cache.layout
     if lossless and config.arith != "exact":
@@ -251,11 +272,12 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
     check_rope_range(lay, config)
     bank_ref = bank
     bank = resolve_bank(bank, lay)
-    codes = None
+    codes = rcodes = None
     if budget.scope == "attention":
         config, codes = _attention_steps(bank_ref, bank, lay, config, attention_stats)
-    elif attention_stats is not None:
-        raise KvzError("attention_stats are used by the attention scope only")
+        config, rcodes = _row_steps(cache, lay, config, capture_stats)
+    elif attention_stats is not None or capture_stats is not None:
+        raise KvzError("attention_stats and capture_stats are used by the attention scope only")
     w = budget.tensor_weights(lay.tensor_names(), bank)
     budget = budget.resolved(w)
     eps, scope = float(budget.eps or 0.0), budget.scope  # eps is known once resolved
@@ -265,7 +287,7 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
     check_rope(lay, bank, cache.tensors)
     if not trust_rope and config.rope_undo:
         check_rope_theta(lay, cache.tensors)
-    enc = Encoder(lay, bank, config, budget, coder, weights=w, threads=threads, step_codes=codes)
+    enc = Encoder(lay, bank, config, budget, coder, weights=w, threads=threads, step_codes=codes, row_codes=rcodes)
     bank_bytes = bank.to_bytes() if embed_bank else b""
     n_obj = enc.n_obj
     buf = cache.buf

@@ -159,13 +159,29 @@ def vectors():
          dict(rank=8, rotations=False)),
         # format 1.3: per-channel steps, stale rows of sliding layers, the attention scope (kvz.md 8.5, 8.8)
         ("v13-synth-attention-stale",
-         lambda: _synthetic(3, 1, 600, 16, np.float16, 31),  # half pairing, every layer sliding
+         lambda: _synthetic(3, 1, 600, 16, np.float16, 31, dict(token_ids=json.dumps(list(range(600))))),
          dict(eps=0.03, scope="attention", config=CodecConfig(), embed_bank=True, tensor_cap=3.0,
               weights={"layers.0.key": 3.0, "layers.0.value": 1.0, "layers.1.key": 2.0, "layers.1.value": 0.5,
                        "layers.2.key": 4.0, "layers.2.value": 1.5},
-              attention_stats=lambda bank: _attention_stats(bank, 3, 16, window=64)),
+              attention_stats=lambda bank: _attention_stats(bank, 3, 16, window=64),
+              capture_stats=_capture_stats),
          dict(rank=8, rotations=False)),
     ]
+
+
+def _capture_stats(cache):
+    """Uneven per-position attention of a synthetic vector's prefill (row steps, kvz.md 8.5)."""
+    from alignpred.bank import CaptureStats, tokens_digest
+
+    lay = cache.layout
+    L, H, T, d = lay.num_layers, lay.kv_heads, lay.n_tokens, lay.head_dim
+    rng = np.random.default_rng(8)
+    mass = rng.lognormal(0.0, 1.2, (L, H, T))
+    mass /= mass.sum(-1, keepdims=True)
+    sq = mass ** 2 * rng.lognormal(0.0, 0.3, (L, H, T))
+    return CaptureStats(model=lay.model, n_tokens=T, tokens_sha256=tokens_digest(range(T)),
+                        layer_types=tuple(lay.layer_types), pairing="half", q_channel=np.ones((L, H, d)), mass=mass,
+                        sq=sq, value_gram=np.broadcast_to(np.eye(d), (L, H, d, d)))
 
 
 def _attention_stats(bank, n_layers, d, window):
@@ -303,6 +319,8 @@ def make(name, factory, ckw, bkw, out=HERE) -> dict:
         files["bank"] = os.path.basename(p_bank)
     if callable(ckw.get("attention_stats")):  # statistics made for this vector's bank
         ckw = dict(ckw, attention_stats=ckw["attention_stats"](bank))
+    if callable(ckw.get("capture_stats")):  # the prefill statistics of this vector's cache
+        ckw = dict(ckw, capture_stats=ckw["capture_stats"](cache))
     # synthetic keys are only said to carry RoPE: skip the check that they look rotated (it changes no byte)
     info = compress(cache, p_kvz, bank=bank, trust_rope=True, **ckw)
     r = KvzReader(p_kvz, bank=None if ckw["embed_bank"] else bank, threads=1)

@@ -9,7 +9,7 @@ from conftest import synthetic_cache
 
 from alignpred import KvzError, KvzReader, compress, fit_bank
 from alignpred.bank import AttentionStats
-from alignpred.codec.channel_steps import MAX_STEP, STALE_SCALE, codes_for_weights, step_codes
+from alignpred.codec.attention_steps import MAX_STEP, STALE_SCALE, codes_for_weights, step_codes
 from alignpred.codec.config import CodecConfig
 from alignpred.errors import FormatError
 from alignpred.format.header import check_header, tensor_metas
@@ -161,3 +161,109 @@ def test_written_header_matches_the_schema(setup):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     schema = json.load(open(os.path.join(root, "format_spec", "header.schema.json")))
     jsonschema.validators.validator_for(schema)(schema).validate(KvzReader(tmp / "s.kvz", bank=bank_path).header)
+
+
+def _capture(c, seed=5):
+    """Uneven per-position attention statistics for the synthetic cache (its token ids 0..T-1)."""
+    from alignpred.bank import CaptureStats, tokens_digest
+    rng = np.random.default_rng(seed)
+    mass = rng.lognormal(0.0, 1.5, (L, 1, T))
+    mass /= mass.sum(-1, keepdims=True)
+    return CaptureStats(model=c.layout.model, n_tokens=T, tokens_sha256=tokens_digest(range(T)),
+                        layer_types=tuple(c.layout.layer_types), pairing="half", q_channel=np.ones((L, 1, D)),
+                        mass=mass, sq=mass ** 2, value_gram=np.broadcast_to(np.eye(D), (L, 1, D, D)))
+
+
+@pytest.fixture(scope="module")
+def with_ids(setup):
+    """The setup's cache with the token ids its capture statistics are tied to."""
+    import json
+
+    from alignpred.cache.cachefile import Cache
+    c = setup[0]
+    meta = dict(c.metadata, token_ids=json.dumps(list(range(T))))
+    return Cache(c.tensors, meta, c.layout)
+
+
+def test_row_steps_follow_the_prefill_attention(setup, with_ids):
+    from alignpred.codec.attention_steps import row_codes
+    c, bank_path, stats, weights, tmp = setup
+    cap = _capture(with_ids)
+    compress(with_ids, tmp / "r.kvz", eps=0.03, bank=bank_path, scope="attention", weights=weights,
+             capture_stats=cap)
+    r = KvzReader(tmp / "r.kvz", bank=bank_path)
+    assert r.config.row_steps and r.version == (1, 3)
+    want = row_codes(cap, with_ids.layout, r.config)
+    first_live = T - (WINDOW - 1)
+    for m, w in zip(r.metas, want):
+        assert np.array_equal(m.row_codes, w)
+        assert np.all(m.row_codes[:first_live] == 32)  # stale rows (and the sink) keep their own factors
+        assert len(set(m.row_codes[first_live:].tolist())) > 4
+    out = r.read()
+    m = _measure_rows(with_ids, out, stats, r.config, [m.row_codes for m in r.metas])
+    wt = np.array([weights[n] for n in c.layout.tensor_names()])
+    a2 = np.array([e / n for e, n in m])
+    assert float(np.sum(wt * a2)) <= 0.03 ** 2 * float(wt.sum())  # the budget holds in the measure with rows
+    # a position that received more attention gets a finer step: smaller errors where the weight is high
+    x = c.tensors["layers.2.key"][0].astype(np.float64)
+    e = ((out["layers.2.key"][0].astype(np.float64) - x) ** 2).mean(axis=1)[first_live:]
+    code = r.metas[4].row_codes[first_live:]
+    assert e[code <= 16].mean() < 0.5 * e[code >= 64].mean()
+
+
+def _measure_rows(c, out, stats, cfg, rcodes):
+    codes = step_codes(stats, c.layout, cfg)
+    res = []
+    for ti, name in enumerate(c.layout.tensor_names()):
+        wc = (32.0 / codes[ti].astype(np.float64)) ** 2
+        g = np.ones(T, np.float32)
+        cfg.scale_sink(g, 0, 0)
+        cfg.scale_stale(g, 0, c.layout, ti // 2)
+        g *= rcodes[ti].astype(np.float32) / np.float32(32)
+        wr = 1.0 / g.astype(np.float64) ** 2
+        x = c.tensors[name][0].astype(np.float64)
+        dlt = out[name][0].astype(np.float64) - x
+        res.append((float(np.einsum("tc,tc,c,t->", dlt, dlt, wc, wr)), float(np.einsum("tc,tc,c,t->", x, x, wc, wr))))
+    return res
+
+
+def test_capture_stats_of_another_prefill_are_refused(setup, with_ids):
+    import json
+
+    from alignpred.cache.cachefile import Cache
+    c, bank_path, _, weights, tmp = setup
+    other = Cache(c.tensors, dict(c.metadata, token_ids=json.dumps(list(range(1, T + 1)))), c.layout)
+    with pytest.raises(KvzError, match="token"):
+        compress(other, tmp / "o.kvz", eps=0.03, bank=bank_path, scope="attention", weights=weights,
+                 capture_stats=_capture(with_ids))
+    with pytest.raises(KvzError, match="attention scope only"):
+        compress(with_ids, tmp / "o2.kvz", eps=0.03, bank=bank_path, scope="weighted", weights=weights,
+                 capture_stats=_capture(with_ids))
+
+
+def test_row_code_field_checks(setup, with_ids):
+    import base64
+    import zlib
+    c, bank_path, _, weights, tmp = setup
+    compress(with_ids, tmp / "rc.kvz", eps=0.05, bank=bank_path, scope="attention", weights=weights,
+             capture_stats=_capture(with_ids))
+    rd = KvzReader(tmp / "rc.kvz", bank=bank_path)
+    h, lay = rd.header, rd.layout
+
+    def bad(value, match):
+        g = copy.deepcopy(h)
+        g["tensors"][3]["row_codes"] = value
+        with pytest.raises(FormatError, match=match):
+            check_header(g)
+            tensor_metas(g, lay)
+
+    enc = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    bad(enc(zlib.compress(bytes([32]) * (T - 1))), "exactly")
+    bad(enc(zlib.compress(bytes([32]) * (T + 1))), "exactly")
+    bad(enc(zlib.compress(bytes([0]) + bytes([32]) * (T - 1))), "zero step code")
+    bad(enc(b"not zlib at all"), "zlib")
+    bad("%%%", "base64")
+    g = copy.deepcopy(h)
+    g["tensors"][0].pop("row_codes")
+    with pytest.raises(FormatError, match="row_codes"):
+        check_header(g)

@@ -166,6 +166,8 @@ def test_reencode(vec, tmp_path):
     if c["eps_scope"] == "attention":  # the vector's statistics are made by its script, for its bank
         made = {v[0]: v[2] for v in MV.vectors()}[vec["name"]]
         extra["attention_stats"] = made["attention_stats"](bank)
+        if callable(made.get("capture_stats")):
+            extra["capture_stats"] = made["capture_stats"](cache)
     info = compress(cache, p, eps=c["eps"], scope=c["eps_scope"], bank=bank, **extra,
                     config=CodecConfig.from_json(c["config"]), embed_bank=c["embed_bank"],
                     coder=c.get("coder", "rans4"), tensor_cap=c.get("tensor_cap", 0.0),

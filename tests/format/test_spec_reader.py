@@ -671,6 +671,9 @@ def spec_decode(raw: bytes, bank) -> tuple:
             if cfg.get("stale_window", 0) and "sliding" in str(lay.get("layer_types", [""] * L)[i]):
                 # spec 8.5 (1.3): rows no query after the file's end attends, after the sink's factor
                 dr[:max(0, T - (cfg["stale_window"] - 1))] *= np.float32(cfg["stale_scale"])
+            if cfg.get("row_steps"):  # spec 8.5 (1.3): the position's own factor, code / 32, last
+                rc = np.frombuffer(zlib.decompress(base64.b64decode(t["row_codes"])), np.uint8)
+                dr *= rc.astype(np.float32) / np.float32(32)
             Q, dr, zr = np.concatenate(qs, axis=1).T, dr[:, None], np.concatenate(zero)
             codes = (np.frombuffer(base64.b64decode(t["step_codes"]), np.uint8).reshape(H, d)
                      if cfg.get("channel_steps") else None)
