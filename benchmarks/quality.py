@@ -67,6 +67,31 @@ class KV(dict):
         self.capture_stats = capture_stats
 
 
+def capture_kv(lm, ids, source: str = "prompt", *, stats: bool = True) -> KV:
+    """One prefill of ``ids`` through kvz's own capture (:func:`kvz.integrations.hf.capture.record_kv`: every
+    position of every layer, sliding-window layers included; the exact RoPE in the metadata) as a :class:`KV`
+    (bf16 tensors, ``.fp32``, kvz-cache ``.metadata``) with, when ``stats``, the prefill's attention statistics
+    (``.capture_stats``, as ``kvz capture --attention-stats`` records them; eager attention)."""
+    from kvz.integrations.hf.bridge import model_id_of
+    from kvz.integrations.hf.capture import cache_metadata, record_kv
+    from kvz.integrations.hf.querystats import capture_stats, capture_with_stats
+    from kvz.integrations.hf.rope import rope_thetas
+
+    ids = [int(t) for t in ids]
+    if stats:
+        tensors, spec, info, st = capture_with_stats(lm, ids)
+    else:
+        tensors, spec, info = record_kv(lm, ids, chunk=max(1, len(ids)))
+    mid = model_id_of(lm)
+    meta = cache_metadata(info["layer_types"], rope_thetas(lm, spec), ids, source, model=mid, rope=spec)
+    fp32 = {k: v.detach().to("cpu").float().numpy().copy() for k, v in tensors.items()}
+    cs = None
+    if stats:
+        pairing = spec.tables[0].pairing if spec is not None and spec.tables else "half"
+        cs = capture_stats(lm, st, ids, model_id=mid, pairing=pairing)
+    return KV({k: v.astype(bf16()) for k, v in fp32.items()}, fp32=fp32, metadata=meta, capture_stats=cs)
+
+
 class Setting:
     """A restore callable with descriptive fields; ``info`` holds what the last call measured (e.g. bpv)."""
 

@@ -83,16 +83,17 @@ def cli():
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="Output .kvz (default: SRC with .kvz).")
 @click.option("--eps", type=float, default=None, help="Relative Frobenius error bound (NRMSE)  [default: 0.03]")
 @click.option("--eps-scope", type=click.Choice(["object", "tensor", "pooled", "weighted", "attention"]),
-              default="tensor", show_default=True,
-              help="Unit that must meet eps: each 256-token object, each tensor, the whole cache, the whole cache "
+              default=None,
+              help="[default: tensor; with --target-kl: attention if the bank has attention statistics, else "
+                   "weighted] Unit that must meet eps: each 256-token object, each tensor, the whole cache, the whole cache "
                    "with each tensor weighted by its measured effect on the model's output (weighted: the bank's "
                    "sensitivity record), or that plus the error of every channel and position weighted by what "
                    "attention reads of it (attention, format 1.3: the bank's attention statistics; positions a "
                    "sliding-window layer never attends again are coded coarsely, so read such a file to continue "
                    "after its last position, not as a shorter prefix).")
 @click.option("--target-kl", type=float, default=None,
-              help="Ask for a mean next-token KL divergence instead of an NRMSE (weighted scope, or attention with "
-                   "--eps-scope attention; needs the bank's sensitivity record).")
+              help="Ask for a mean next-token KL divergence instead of an NRMSE (the attention scope when the bank "
+                   "has attention statistics, else weighted; needs the bank's sensitivity record).")
 @click.option("--bank", type=click.Path(dir_okay=False), help="Calibration bank (.h5) fitted on other caches.")
 @click.option("--self-calibrate", is_flag=True, help="Fit a bank on this cache and embed it (counted in bpv).")
 @click.option("--rank", type=int, default=16, show_default=True, help="Map rank for --self-calibrate (0 = full).")

@@ -44,8 +44,10 @@ class ErrorBudget:
     ``weighted``). ``tensor_cap``: joint scopes bound every tensor's NRMSE by ``tensor_cap × eps``
     (0 = no cap; ignored by the other scopes, see :attr:`cap`). ``weights``: the weighted scope's
     per-tensor weights ``{tensor name: w > 0}`` (None: the bank's sensitivity record).
-    ``target_kl`` instead of ``eps``: a mean next-token KL; it implies the weighted scope and
-    becomes ``eps = sqrt(target_kl / sum w)`` once the weights are known (:meth:`resolved`).
+    ``target_kl`` instead of ``eps``: a mean next-token KL; it implies the weighted scope (or
+    the attention scope, given as such — or chosen by the writer when no scope was given,
+    ``auto_scope``, and the bank has attention statistics) and becomes ``eps = sqrt(target_kl /
+    sum w)`` once the weights are known (:meth:`resolved`).
     """
 
     eps: float | None = None
@@ -54,6 +56,7 @@ class ErrorBudget:
     weights: dict | None = field(default=None, compare=False)
     target_kl: float | None = None
     eps_from_kl: bool = False  # set by resolved(): eps was derived from target_kl
+    auto_scope: bool = False  # target_kl without a scope: the writer takes the best scope the bank supports
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -82,8 +85,10 @@ class ErrorBudget:
         """The budget of loose options as the CLI and :func:`~alignpred.compress` take them:
         ``eps`` defaults to :data:`DEFAULT_EPS` when neither it nor ``target_kl`` is given
         only for the CLI (the library asks for one); ``None`` means the default."""
-        return cls(eps=eps, scope=scope or "tensor", tensor_cap=TENSOR_CAP if tensor_cap is None else tensor_cap,
-                   weights=weights, target_kl=target_kl)
+        auto = scope is None and target_kl is not None
+        return cls(eps=eps, scope=scope or ("weighted" if auto else "tensor"),
+                   tensor_cap=TENSOR_CAP if tensor_cap is None else tensor_cap, weights=weights, target_kl=target_kl,
+                   auto_scope=auto)
 
     @property
     def joint(self) -> bool:

@@ -103,7 +103,9 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
     ``weights`` (``{tensor name: w}``; default: the bank's sensitivity record, see
     :func:`alignpred.bank.registry.sensitivity`) — error goes where the model is least sensitive.
     ``target_kl`` (instead of ``eps``): ask for a mean next-token KL divergence; with weights in
-    KL per NRMSE² the weighted scope is used with ``eps = sqrt(target_kl / sum_t w_t)``.
+    KL per NRMSE² the weighted scope is used with ``eps = sqrt(target_kl / sum_t w_t)`` — or,
+    when no ``scope`` is given and the bank has attention statistics, the attention scope (its
+    measure meets the same eps at a lower KL, so the target is met with room).
     ``scope="attention"`` (format 1.3): the weighted budget in a measure that weighs every channel
     and position by what attention reads of it (:mod:`alignpred.codec.attention_steps`), from
     ``attention_stats`` (an :class:`~alignpred.bank.AttentionStats` of this bank; default: the
@@ -237,6 +239,17 @@ def _attention_steps(bank_ref, bank, layout, config, stats=None):
     return config, step_codes(stats, layout, config)
 
 
+def _has_attention_stats(bank_ref, bank, stats=None) -> bool:
+    from alignpred.bank.attention_stats import find_attention_stats
+
+    if stats is not None:
+        return True
+    try:
+        return find_attention_stats(bank_ref if isinstance(bank_ref, (str, os.PathLike)) else bank) is not None
+    except (BankMismatchError, KvzError):  # no file to sit beside, or a stale/malformed sidecar: weighted
+        return False
+
+
 def _row_steps(cache, layout, config, capture=None):
     """``(config, row codes or None)``: per-position steps from the prefill's attention when its
     statistics are given or lie beside the cache file (:func:`~alignpred.bank.find_capture_stats`)."""
@@ -273,6 +286,10 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
     bank_ref = bank
     bank = resolve_bank(bank, lay)
     codes = rcodes = None
+    if budget.auto_scope and budget.scope == "weighted" and _has_attention_stats(bank_ref, bank, attention_stats):
+        from dataclasses import replace
+
+        budget = replace(budget, scope="attention")  # --target-kl: the best scope this bank supports
     if budget.scope == "attention":
         config, codes = _attention_steps(bank_ref, bank, lay, config, attention_stats)
         config, rcodes = _row_steps(cache, lay, config, capture_stats)

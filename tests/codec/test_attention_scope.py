@@ -267,3 +267,18 @@ def test_row_code_field_checks(setup, with_ids):
     g["tensors"][0].pop("row_codes")
     with pytest.raises(FormatError, match="row_codes"):
         check_header(g)
+
+
+def test_target_kl_takes_the_best_scope_the_bank_supports(setup, tmp_path):
+    from alignpred import ErrorBudget
+    c, bank_path, _, weights, _ = setup
+    assert ErrorBudget.from_options(target_kl=1e-3).auto_scope
+    assert not ErrorBudget.from_options(target_kl=1e-3, scope="weighted").auto_scope
+    a = compress(c, tmp_path / "a.kvz", target_kl=1e-3, bank=bank_path, weights=weights)
+    assert a.scope == "attention"  # the bank has attention statistics
+    w = compress(c, tmp_path / "w.kvz", target_kl=1e-3, bank=bank_path, weights=weights, scope="weighted")
+    assert w.scope == "weighted" and w.eps == a.eps
+    plain = fit_bank([c], rank=4)
+    plain.save(tmp_path / "plain.h5")
+    p = compress(c, tmp_path / "p.kvz", target_kl=1e-3, bank=tmp_path / "plain.h5", weights=weights)
+    assert p.scope == "weighted"  # no statistics: the weighted scope, as before
