@@ -85,12 +85,12 @@ def cli():
 @click.option("--eps-scope", type=click.Choice(["object", "tensor", "pooled", "weighted", "attention"]),
               default=None,
               help="[default: tensor; with --target-kl: attention if the bank has attention statistics, else "
-                   "weighted] Unit that must meet eps: each 256-token object, each tensor, the whole cache, the whole cache "
-                   "with each tensor weighted by its measured effect on the model's output (weighted: the bank's "
-                   "sensitivity record), or that plus the error of every channel and position weighted by what "
-                   "attention reads of it (attention, format 1.3: the bank's attention statistics; positions a "
-                   "sliding-window layer never attends again are coded coarsely, so read such a file to continue "
-                   "after its last position, not as a shorter prefix).")
+                   "weighted] Unit that must meet eps: each 256-token object, each tensor, the whole cache, "
+                   "the whole cache with each tensor weighted by its measured effect on the model's output "
+                   "(weighted: the bank's sensitivity record), or that plus the error of every channel and "
+                   "position weighted by what attention reads of it (attention, format 1.3: the bank's attention "
+                   "statistics; positions a sliding-window layer never attends again are coded coarsely, so read "
+                   "such a file to continue after its last position, not as a shorter prefix).")
 @click.option("--target-kl", type=float, default=None,
               help="Ask for a mean next-token KL divergence instead of an NRMSE (the attention scope when the bank "
                    "has attention statistics, else weighted; needs the bank's sensitivity record).")
