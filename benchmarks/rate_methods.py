@@ -22,6 +22,10 @@ KVZ_VARIANTS: dict[str, dict] = {
     # error where the model is sensitive: per-tensor weights from the bank's sensitivity record
     # (measured on the calibration texts by benchmarks/sensitivity.py), tensor cap 3
     "kvz-weighted": dict(scope="weighted", tensor_cap=3.0),
+    # error where attention reads the cache (format 1.3): the weighted budget in the attention measure, channels by
+    # the bank's attention statistics, positions by the prefill's attention (the KV carries its CaptureStats), the
+    # positions a sliding-window layer never attends again coarse
+    "kvz-attention": dict(scope="attention", tensor_cap=3.0),
 }
 
 
@@ -68,6 +72,9 @@ def codec_points(name: str):
     m = re.fullmatch(r"kvquant(\d+)(_calib)?", name)
     if m:
         return f"kvquant{m.group(2) or ''}", f"{m.group(1)} bit"
+    m = re.fullmatch(r"covrot(\d+)", name)
+    if m:  # the fixed-rate covrot coders: the same curve as covrot@N (the searchable coder at N bits)
+        return "covrot", f"{m.group(1)} bit"
     if name == FP8:
         return REFERENCE_METHOD, "e4m3"
     if name == "bf16":
@@ -75,6 +82,8 @@ def codec_points(name: str):
     return None
 
 
+# Coders whose ``name@knob`` knob is a rate in bits (labelled "N bit", the label of their fixed-rate points).
+RATE_KNOB_CODECS = ("turboquant", "covrot")
 ERROR_LEVEL_CODECS = {"kvtc": "pooled", "sz3": "tensor"}  # searched to a target NRMSE (alloc used for the search)
 
 
@@ -94,7 +103,8 @@ def baseline_specs(names=None, error_eps=(0.0267,)) -> list[dict]:
             continue
         if knob:
             k = float(knob)
-            label = f"{k:g} bit" if n.startswith("turboquant") else f"{B.BASELINES[n].knob_name}={k:g}"
+            bits = n.startswith(RATE_KNOB_CODECS)  # the knob is a rate in bits per value: label as a fixed rate
+            label = f"{k:g} bit" if bits else f"{B.BASELINES[n].knob_name}={k:g}"
             out.append({"name": n, "curve": n, "label": label, "eps": None, "alloc": None, "knob": k})
             continue
         if n in ERROR_LEVEL_CODECS:

@@ -6,9 +6,11 @@ held-out text, and reports each method's bpv at FP8 e4m3's quality and at twice 
 
 **Protocol** (per prompt window of a held-out document; Gemma 3 270M by default):
 
-1. ``context`` tokens (BOS + document tokens) are prefilled; the model's float32 K/V of every layer (keys post-RoPE,
-   as the model stores them) is captured.  Methods receive it at the stored precision, bfloat16 (a
-   :class:`~kvz.benchmarks.quality.KV` with ``.fp32`` and ``.metadata``), compress and restore it.
+1. ``context`` tokens (BOS + document tokens) are prefilled; the model's float32 K/V of every layer and position
+   (keys post-RoPE, as the model stores them; a sliding-window layer's old positions too, as ``kvz capture`` stores
+   them) is captured with the prefill's attention statistics.  Methods receive it at the stored precision, bfloat16
+   (a :class:`~kvz.benchmarks.quality.KV` with ``.fp32``, ``.metadata`` and ``.capture_stats``, which kvz's attention
+   scope weighs positions by), compress and restore it.
 2. The next ``score_tokens`` *document* tokens ``x_C .. x_{C+N-1}`` are fed in one pass on top of a fresh model
    cache holding (a) the exact float32 K/V (the reference) and (b) each method's restored K/V, injected through
    each layer's own ``update()`` (:func:`kvz.benchmarks.quality.inject`; sliding layers keep what a real prefill
@@ -17,6 +19,8 @@ held-out text, and reports each method's bpv at FP8 e4m3's quality and at twice 
 
    * ``kl_mean``: mean over the N positions of KL(p_full || p_restored) of the next-token distribution;
    * ``top1``: fraction of positions where the restored argmax equals the reference argmax;
+   * ``greedy_identical``: 1 if the :data:`GREEDY_TOKENS` greedy tokens generated after the context (fed the
+     document's next token) equal those of the exact cache (the share of prompts: "identical greedy");
    * ``ppl_rel_change``: perplexity of the true next tokens with the restored cache over that with the exact
      cache, minus 1 (``exp(mean NLL_restored - mean NLL_full) - 1``; aggregated over prompts by pooling the NLLs,
      i.e. per token, not by averaging per-prompt ratios);
@@ -39,14 +43,17 @@ Methods (``--methods`` filters by method name):
 * every baseline registered in ``kvz.benchmarks.baselines.BASELINES`` that imports here, at its natural rates:
   FP8 e4m3 (the reference), TurboQuant-style with and without the 1-bit QJL residual (``turboquant_mse_*`` /
   ``turboquant_prod_*``), KIVI with its residual window (``kivi*_r128``) and without (``kivi_int*``, group 32),
-  KVQuant-style (``kvquant*``, self-contained and calibrated), KVTC and SZ3 at a few error levels (knobs chosen by
-  the coders' own search for the target NRMSE); calibrated coders get caches of the *calibration* texts
-  (``samples/gemma3-270m/calib_texts``), never the held-out ones; ``bf16`` (the storage precision, 16 bpv) is the
-  floor.
+  KVQuant-style (``kvquant*``, self-contained and calibrated), the covariance-rotation peer in the style of OSCAR /
+  AQUA-KV (``covrot``, keys post-RoPE, and ``covrot_pre``, keys pre-RoPE; calibrated; ``covrot@2`` .. ``@5``), KVTC
+  and SZ3 at a few error levels (knobs chosen by the coders' own search for the target NRMSE); calibrated coders
+  get caches of the *calibration* texts (``samples/gemma3-270m/calib_texts``), never the held-out ones;
+  ``bf16`` (the storage precision, 16 bpv) is the floor.
 
 Run::
 
     python -m kvz.benchmarks.rate_quality --quick --json out/rq.json --plot out/rq.png
+    python -m kvz.benchmarks.rate_quality --long --json benchmarks/results/rate_quality-long.json \\
+        --plot benchmarks/results/rate_quality-long.png    # 1,024-token contexts: kvz scopes against FP8
     python -m kvz.benchmarks.rate_quality --full --json benchmarks/results/rate_quality.json \\
         --plot benchmarks/results/rate_quality.png          # 4 documents x 6 prompts; writes a .md beside the JSON
 
@@ -64,10 +71,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .harness import ROOT, parser, write_json, write_text
-from .lm import bf16, extract, forward_logits, kv_nrmse, log_softmax64, prefill
+from .lm import forward_logits, greedy, kv_nrmse, log_softmax64, prefill
 from .lm import model as load_model
-from .prompts import MAX_PROMPT_TOKENS, text_files
-from .quality import KV
+from .prompts import text_files
+from .quality import KV, capture_kv
 from .rate_methods import (  # noqa: F401  (the methods, re-exported)
     FP8,
     KVZ_VARIANTS,
@@ -86,15 +93,31 @@ from .rate_report import ROW_KEYS, aggregate, bpv_at_kl, format_report, pareto, 
 # held out from the bank's calibration texts.  ``--docs all`` takes every held-out document.
 FULL_DOCS = ("licence-text", "python-code", "json-records", "japanese-manpage")
 QUICK_DOCS = ("python-code", "json-records")
+MAX_CONTEXT = 4096  # the capture keeps every head's attention weights for the statistics: T² per head
+GREEDY_TOKENS = 16  # greedy tokens after the context compared with the exact cache's (identical continuations)
+
+# The covariance-rotation peer (baselines/covrot.py, OSCAR / AQUA-KV style; calibrated) at 2, 3, 4 and 5 bits, keys
+# post-RoPE (covrot, as OSCAR) and pre-RoPE (covrot_pre); 5 bits because at 4 (4.17 bpv) neither reached FP8's KL
+# on python-code (KL 7.5e-03 / 5.3e-03 against FP8's 3.6e-03), and bpv at a target is never extrapolated
+COVROT_POINTS = tuple(f"{n}@{b}" for n in ("covrot", "covrot_pre") for b in (2, 3, 4, 5))
 
 PRESETS = {
     "quick": dict(docs=QUICK_DOCS, per_doc=1, context=256, score_tokens=32,
                   kvz_eps={"kvz-tensor": (0.0134, 0.0267, 0.0534), "*": (0.0267, 0.0534)},
                   error_eps=(0.0267,),
                   baselines=("fp8_e4m3", "bf16", "turboquant_mse_3", "turboquant_mse_4", "turboquant_prod_4",
-                             "kivi2_r128", "kivi4_r128", "kvquant3_calib", "kvtc", "sz3")),
+                             "kivi2_r128", "kivi4_r128", "kvquant3_calib", "covrot@3", "covrot_pre@3", "kvtc",
+                             "sz3")),
     # sized for < 60 min on 2 shared (and busy) cores: 24 prompts x 23 settings x 32 scored tokens (each scored
-    # token costs a 262k-vocabulary softmax); --score-tokens 64 and more rates when there is CPU to spare
+    # token costs a 262k-vocabulary softmax), before the 8 covrot points were added (31 settings now);
+    # --score-tokens 64 and more rates when there is CPU to spare
+    # issue 20's long contexts: 1,024 cached tokens (the sliding layers' window is 512, so half of their positions are
+    # never attended again), the kvz scopes and FP8 on the four documents of the full run
+    "long": dict(docs=FULL_DOCS, per_doc=2, context=1024, score_tokens=32,
+                 kvz_eps={"kvz-weighted": (0.0188, 0.0267, 0.0376, 0.0534),
+                          "kvz-attention": (0.0134, 0.0188, 0.0267, 0.0376, 0.0534),
+                          "kvz-tensor": (0.0188, 0.0267, 0.0376)},
+                 error_eps=(0.0267,), baselines=("fp8_e4m3",)),
     "full": dict(docs=FULL_DOCS, per_doc=6, context=256, score_tokens=32,
                  kvz_eps={"kvz-tensor": (0.0188, 0.0267, 0.0376, 0.0534),
                           "kvz-pooled-cap3": (0.0188, 0.0267, 0.0376),
@@ -103,7 +126,7 @@ PRESETS = {
                  error_eps=(0.0188, 0.0376),
                  baselines=("fp8_e4m3", "turboquant_mse_3", "turboquant_mse_4", "turboquant_mse@6",
                             "turboquant_prod_4", "turboquant_prod@6", "kivi2_r128", "kivi4_r128", "kvquant3_calib",
-                            "kvquant4_calib", "kvtc", "sz3")),
+                            "kvquant4_calib", *COVROT_POINTS, "kvtc", "sz3")),
 }
 # ``name@knob`` in a preset's baselines runs a searchable coder at a fixed knob (e.g. turboquant_mse@6: 6 bits, to
 # extend its curve past the fixed-rate points).
@@ -133,9 +156,9 @@ def windows(docs, per_doc: int, context: int, score_tokens: int, tokenizer, spli
     """``per_doc`` windows of each document: BOS + ``context - 1`` document tokens as the cached context, then the
     ``score_tokens + 1`` following document tokens (fed, and predicted).  Starts are evenly spaced over the document
     (disjoint when it is long enough).  Returns ``{"doc", "source", "split", "index", "start", "token_ids"}``."""
-    if context < 2 or context > MAX_PROMPT_TOKENS:
-        raise ValueError(f"context must be in 2..{MAX_PROMPT_TOKENS} (Gemma 3's sliding layers keep 511 "
-                         "positions; the exact-cache injection is checked below that)")
+    if context < 2 or context > MAX_CONTEXT:
+        raise ValueError(f"context must be in 2..{MAX_CONTEXT} (the capture records every head's attention "
+                         "weights, T² per head)")
     if score_tokens < 1 or per_doc < 1:
         raise ValueError("score_tokens and per_doc must be >= 1")
     bos = tokenizer.bos_token_id
@@ -168,17 +191,12 @@ def layer_meta_of(lm):
 
 
 def capture(lm, ids: list[int], source: str = "prompt", layer_meta=None) -> KV:
-    """Prefill ``ids`` and return the cache as a :class:`~kvz.benchmarks.quality.KV` (bf16, with ``.fp32`` and
-    kvz-cache ``.metadata``)."""
-    from kvz.integrations.hf.bridge import text_config
-    from kvz.integrations.hf.gemma import cache_metadata
-
-    cfg = text_config(lm)
-    types, thetas = layer_meta or layer_meta_of(lm)
-    live = prefill(lm, ids)
-    fp32 = extract(live, cfg.num_hidden_layers)
-    meta = cache_metadata(types, thetas, ids, source)
-    return KV({k: v.astype(bf16()) for k, v in fp32.items()}, fp32=fp32, metadata=meta)
+    """Prefill ``ids`` and return the cache as a :class:`~kvz.benchmarks.quality.KV` (bf16, with ``.fp32``, kvz-cache
+    ``.metadata`` and the prefill's ``.capture_stats``): kvz's own capture (:func:`~kvz.benchmarks.quality.capture_kv`),
+    every position of every layer — a sliding-window layer's old positions too, as ``kvz capture`` stores them; the
+    scoring cache keeps only the window again (:func:`score` fills each layer through its ``update()``).
+    ``layer_meta`` is not used (kept for callers)."""
+    return capture_kv(lm, ids, source)
 
 
 def score(lm, tensors: dict, feed: list[int]):
@@ -186,6 +204,14 @@ def score(lm, tensors: dict, feed: list[int]):
     from kvz.integrations.hf.bridge import cache_from_kv
 
     return log_softmax64(forward_logits(lm, cache_from_kv(lm, tensors), feed))
+
+
+def continuation(lm, tensors: dict, first: int, n: int = GREEDY_TOKENS, stop_at=None) -> list[int]:
+    """The ``n`` greedy tokens after feeding ``first`` (the document's next token) on a fresh cache of ``tensors``;
+    with ``stop_at`` (the exact cache's continuation) it stops at the first token that differs."""
+    from kvz.integrations.hf.bridge import cache_from_kv
+
+    return greedy(lm, cache_from_kv(lm, tensors), int(first), n, stop_at=stop_at)
 
 
 def reference(ref_lp, targets) -> dict:
@@ -255,6 +281,7 @@ def run_rate_quality(settings: dict, prompts: list[dict], *, context: int, score
             kv = capture(model, ctx_ids, pr.get("source", "prompt"), meta)
             ref_lp = score(model, kv.fp32, feed)
             ref = reference(ref_lp, targets)
+            ref_greedy = continuation(model, kv.fp32, feed[0])
             t_ref = time.perf_counter() - t0
             pm = {k: v for k, v in pr.items() if k != "token_ids"}
             pm["seconds_reference"] = round(t_ref, 3)
@@ -273,6 +300,8 @@ def run_rate_quality(settings: dict, prompts: list[dict], *, context: int, score
                 info = dict(s.info)
                 nr_pool, nr_max = kv_nrmse(kv, rec)
                 m = compare(ref, score(model, rec, feed))
+                g = continuation(model, rec, feed[0], stop_at=ref_greedy)
+                m["greedy_identical"] = float(g == ref_greedy)
                 row = {"method": s.curve, "setting": s.label, "doc": pr["doc"], "prompt": pr["index"],
                        "start": pr["start"], "bpv": float(info["bpv"]), **m, "nrmse_pooled": nr_pool,
                        "nrmse_max": nr_max, "eps": s.eps, "restore_s": t_restore,
@@ -314,6 +343,7 @@ def run(preset_name: str = "quick", *, bank="gemma-3-270m", json_out=None, plot_
     settings = build_settings(preset, bank, methods=methods, kvz_eps=kvz_eps)
     cfg = {"preset": preset_name, "docs": list(d for d, _ in documents("eval", preset["docs"])),
            "per_doc": preset["per_doc"], "context": preset["context"], "score_tokens": preset["score_tokens"],
+           "greedy_tokens": GREEDY_TOKENS,
            "bank": getattr(bank, "id", None), "settings": {n: {**s.describe(), "method": s.curve, "setting": s.label}
                                               for n, s in settings.items()},
            "kvz_variants": {k: {kk: (vv if isinstance(vv, (str, int, float)) else repr(vv)) for kk, vv in v.items()}
@@ -389,6 +419,8 @@ def main(argv=None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="2 documents x 1 prompt, 32 scored tokens, few rates")
     g.add_argument("--full", action="store_true", help="4 documents x 6 prompts, 64 scored tokens, every rate")
+    g.add_argument("--long", action="store_true", help="4 documents x 2 prompts, 1,024-token contexts, the kvz "
+                   "scopes against FP8")
     ap.add_argument("--json", required=True, help="output JSON (a Markdown report is written beside it)")
     ap.add_argument("--plot", help="output PNG (bpv vs KL per method)")
     ap.add_argument("--md", help="Markdown report path (default: the JSON's with .md)")
@@ -404,7 +436,7 @@ def main(argv=None) -> int:
     ap.add_argument("--finalize", action="store_true", help="no new measurements: aggregate the rows of the JSON's "
                     ".partial.json (an interrupted run; only prompts every setting completed) into JSON/MD/PNG")
     a = ap.parse_args(argv)
-    preset = "full" if a.full else "quick"
+    preset = "full" if a.full else "long" if a.long else "quick"
     docs = None
     if a.docs:
         docs = "all" if a.docs == "all" else tuple(d.strip() for d in a.docs.split(",") if d.strip())

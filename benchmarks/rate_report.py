@@ -70,7 +70,10 @@ def _agg(rows: list[dict]) -> dict:
             "top1": float(np.mean([r["top1"] for r in rows])),
             "ppl_rel_change": math.expm1(nll - nll_ref), "nll_ref": nll_ref, "nll": nll,
             "nrmse_pooled": float(np.mean([r["nrmse_pooled"] for r in rows])),
-            "nrmse_max": float(np.max([r["nrmse_max"] for r in rows]))}
+            "nrmse_max": float(np.max([r["nrmse_max"] for r in rows])),
+            # fraction of prompts whose greedy continuation equals the exact cache's (rows of older runs lack it)
+            "identical": float(np.mean([r["greedy_identical"] for r in rows]))
+            if all("greedy_identical" in r for r in rows) else None}
 
 
 def aggregate(rows: list[dict], reference: str = REFERENCE_METHOD) -> dict:
@@ -180,7 +183,9 @@ def format_report(res: dict) -> str:
            f"{agg['n_prompts']} prompts ({', '.join(agg['docs'])}; {cfg['per_doc']} per document), "
            f"{cfg['context']}-token context (bf16 K/V compressed and restored), {cfg['score_tokens']} teacher-forced "
            f"document tokens scored against the exact cache. KL = mean next-token KL(full || restored); top-1 = "
-           f"argmax agreement; ppl = relative perplexity change on the true next tokens. Every number is measured "
+           f"argmax agreement; ppl = relative perplexity change on the true next tokens; identical greedy = share of "
+           f"prompts whose {cfg.get('greedy_tokens', 16)} greedy tokens after the context equal the exact cache's "
+           f"(where measured). Every number is measured "
            f"by decoding and running the model; bpv at a target is interpolated between measured points in log-KL "
            f"(`<` x: already better than the target at its cheapest point x; `>` x: never reached it up to x).", "",
            "Commands: " + ", then ".join(f"`{c}`" for c in cfg.get("previous_commands", []) + [cfg.get("command", "")]),
@@ -204,12 +209,14 @@ def format_report(res: dict) -> str:
             out.append(f"| {m} | " + " | ".join(cells) + " |")
         out += ["", "**Verdict (overall):**", ""] + verdict(agg) + [""]
     out += ["## Measured points (all prompts)", "",
-            "| method | setting | bpv | mean KL | top-1 | ppl change | NRMSE pooled | NRMSE max |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| method | setting | bpv | mean KL | top-1 | ppl change | identical greedy | NRMSE pooled | NRMSE max |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for m in sorted(agg["curves"], key=lambda m: (not m.startswith("kvz"), m)):
         for p in agg["curves"][m]["overall"]:
+            ident = "-" if p.get("identical") is None else f"{100 * p['identical']:.0f}%"
             out.append(f"| {m} | {p['setting']} | {p['bpv']:.3f} | {p['kl_mean']:.2e} | {100 * p['top1']:.1f}% | "
-                       f"{100 * p['ppl_rel_change']:+.2f}% | {p['nrmse_pooled']:.4f} | {p['nrmse_max']:.4f} |")
+                       f"{100 * p['ppl_rel_change']:+.2f}% | {ident} | {p['nrmse_pooled']:.4f} | "
+                       f"{p['nrmse_max']:.4f} |")
     out += ["", "## Per document (mean KL; bpv)", ""]
     for d in agg["docs"]:
         out += [f"### {d}", "", "| method | setting | bpv | mean KL | top-1 | ppl change |", "|---|---|---|---|---|---|"]

@@ -116,6 +116,23 @@ def test_baseline_roster():
     assert R.codec_points("zfp") is None
 
 
+def test_covrot_points():
+    """The covariance-rotation peer (covrot post-RoPE, covrot_pre pre-RoPE) runs at 2 to 5 bits in the full
+    preset (3 bits in the quick one), as a calibrated coder, and ``--methods covrot`` selects it."""
+    want = {(c, f"{b} bit") for c in ("covrot", "covrot_pre") for b in (2, 3, 4, 5)}
+    full = {(s["curve"], s["label"]) for s in R.baseline_specs(R.PRESETS["full"]["baselines"])}
+    assert want <= full
+    quick = {(s["curve"], s["label"]) for s in R.baseline_specs(R.PRESETS["quick"]["baselines"])}
+    assert {("covrot", "3 bit"), ("covrot_pre", "3 bit")} <= quick
+    assert R.codec_points("covrot3") == ("covrot", "3 bit")  # the fixed-rate coder is the same point as covrot@3
+    s = R.build_settings(R.PRESETS["full"], bank=None, methods=["covrot", "covrot_pre"])
+    assert {(st.curve, st.label) for st in s.values()} == want and R.needs_calib(s)
+    from kvz.benchmarks.quality import KV
+
+    with pytest.raises(ValueError, match="calibration"):  # never coded without calibration caches
+        next(iter(s.values()))(KV({"layers.0.key": np.ones((1, 4, 8), np.float32)}))
+
+
 def test_kvz_variant_is_one_line(monkeypatch):
     monkeypatch.setitem(R.KVZ_VARIANTS, "kvz-custom", {"fn": lambda kv, eps: ({k: v for k, v in kv.items()},
                                                                              4 * sum(v.size for v in kv.values()))})
