@@ -67,6 +67,28 @@ def _rows():
     return rows
 
 
+def test_identical_greedy_is_aggregated_and_reported():
+    rows = _rows()
+    for r in rows:
+        r["greedy_identical"] = float(r["method"] != "tq" or r["doc"] == "a")
+    agg = R.aggregate(rows)
+    tq = {p["setting"]: p["identical"] for p in agg["curves"]["tq"]["overall"]}
+    assert set(tq.values()) == {0.5} and agg["curves"]["fp8"]["overall"][0]["identical"] == 1.0
+    md = R.format_report({"model": "m", "aggregate": agg, "config": {"per_doc": 2, "context": 8, "score_tokens": 4,
+                                                                     "greedy_tokens": 16}, "timing": {}})
+    assert "| identical greedy |" in md and "| 50% |" in md
+    del rows[0]["greedy_identical"]  # rows of a run that did not measure it: no number, not a wrong one
+    assert R.aggregate(rows)["curves"]["fp8"]["overall"][0]["identical"] is None
+
+
+def test_long_preset_has_long_contexts():
+    assert R.PRESETS["long"]["context"] >= 1024 and "kvz-attention" in R.PRESETS["long"]["kvz_eps"]
+    ws = R.windows(R.documents("eval", ["licence-text"]), 1, 1024, 8, _Tok())
+    assert len(ws[0]["token_ids"]) == 1024 + 8 + 1
+    with pytest.raises(ValueError, match="context"):
+        R.windows(R.documents("eval", ["licence-text"]), 1, R.MAX_CONTEXT + 1, 8, _Tok())
+
+
 def test_aggregate_targets_and_schema():
     rows = _rows()
     for r in rows:
@@ -199,7 +221,7 @@ def test_tiny_end_to_end(tmp_path):
     tok = _Tok()
     ps = R.windows(R.documents("eval", ["python-code"]), 1, 24, 6, tok)
     assert len(ps) == 1 and len(ps[0]["token_ids"]) == 24 + 6 + 1 - 1 + 1
-    pre = {"kvz_eps": {"kvz-tensor": (0.05,), "*": ()}, "error_eps": (),
+    pre = {"kvz_eps": {"kvz-tensor": (0.05,), "kvz-attention": (0.05,), "*": ()}, "error_eps": (),
            "baselines": ("fp8_e4m3", "bf16", "kivi4_r128")}
     settings = R.build_settings(pre, bank)
     out = R.run_rate_quality(settings, ps, context=24, score_tokens=6, model=model, progress=False)
@@ -207,6 +229,9 @@ def test_tiny_end_to_end(tmp_path):
     assert len(rows) == len(settings)
     for r in rows.values():
         assert set(R.ROW_KEYS) <= set(r) and r["bpv"] > 0 and 0 <= r["top1"] <= 1 and r["kl_mean"] >= 0
+        assert r["greedy_identical"] in (0.0, 1.0)
+    assert rows[("bf16", "bf16")]["greedy_identical"] == 1.0  # the storage precision continues as the exact cache
+    assert rows[("kvz-attention", "eps=0.05")]["bpv"] < 16  # the scope ran (bank statistics, the prefill's attention)
     assert out["prompts"][0]["inject_check_max_abs_logprob"] < 1e-5
     assert rows[("bf16", "bf16")]["kl_mean"] < rows[("fp8", "e4m3")]["kl_mean"]
     assert rows[("fp8", "e4m3")]["bpv"] == pytest.approx(8.0, abs=0.1)
