@@ -37,13 +37,14 @@ from pathlib import Path
 from . import rate_quality as rq
 from .harness import ROOT, parser, pyplot, save_figure, write_json, write_text
 from .harness.cli import command_line
-from .quality import capture_kv
-from .rate_methods import FP8, REFERENCE_METHOD, add_kvz_variant, build_settings
+from .quality import KV, Setting, capture_kv
+from .rate_methods import FP8, REFERENCE_METHOD, add_kvz_variant, build_settings, kvz_variant_setting
 from .rate_report import aggregate, format_report
 
 DEFAULT_EPS = (0.0134, 0.0188, 0.0267, 0.0376, 0.0534)
 DEFAULT_DOCS = rq.FULL_DOCS
 WEIGHTED, ATTENTION = "kvz-weighted", "kvz-attention"
+NO_POSITIONS = "kvz-attention-nopos"  # the ablation (--ablation): no per-position weights
 VARIANTS = {WEIGHTED: dict(scope="weighted", tensor_cap=3.0), ATTENTION: dict(scope="attention", tensor_cap=3.0)}
 TARGET_RATIO = 0.8  # issue 20: attention's bpv at FP8's KL <= 0.8 x weighted's
 CALIB_TEXTS = "samples/gemma3-270m/calib_texts"
@@ -116,12 +117,33 @@ def _rel(p) -> str:
 
 # ============================================================================ settings
 
-def settings_for(bank, eps=DEFAULT_EPS) -> dict:
-    """FP8 e4m3 and the two kvz scopes at ``eps`` (``{"curve | label": Setting}``)."""
+def no_positions_setting(bank, eps: float) -> Setting:
+    """The ablation ``kvz-attention-nopos``: the attention scope given no capture statistics, so positions get no
+    weights of their own (per-tensor and per-channel weights only)."""
+    base = kvz_variant_setting(ATTENTION, eps, bank, spec=VARIANTS[ATTENTION])
+
+    def fn(kv, info):
+        bare = KV(dict(kv), fp32=kv.fp32, metadata=kv.metadata, capture_stats=None)
+        out = base.fn(bare, info)
+        return out
+
+    s = Setting(fn, "kvz", eps=eps, scope="attention", positions="none")
+    s.curve, s.label = NO_POSITIONS, base.label  # type: ignore[attr-defined]  # as rate_methods' settings
+    return s
+
+
+def settings_for(bank, eps=DEFAULT_EPS, ablation: bool = False) -> dict:
+    """FP8 e4m3 and the two kvz scopes at ``eps`` (``{"curve | label": Setting}``); with ``ablation`` also
+    :func:`no_positions_setting` at every eps."""
     for name, spec in VARIANTS.items():
         add_kvz_variant(name, **spec)
     preset = {"kvz_eps": {name: tuple(eps) for name in VARIANTS}, "baselines": (FP8,)}
-    return build_settings(preset, bank, methods=[*VARIANTS, FP8])
+    out = build_settings(preset, bank, methods=[*VARIANTS, FP8])
+    if ablation:
+        for e in eps:
+            s = no_positions_setting(bank, e)
+            out[f"{NO_POSITIONS} | {s.label}"] = s  # type: ignore[attr-defined]
+    return out
 
 
 # ============================================================================ verdict (no model)
@@ -189,6 +211,9 @@ def verdict_rows(agg: dict, target: float = TARGET_RATIO) -> list[dict]:
                       "nearest": _nearest(pts, t["fp8_kl"])}
         r = ratio_of(row[ATTENTION]["at_fp8"], row[WEIGHTED]["at_fp8"])
         row["ratio"], row["ratio_kind"], row["meets"] = r["ratio"], r["kind"], meets(r, target)
+        if NO_POSITIONS in agg["at_target"]:
+            e = agg["at_target"][NO_POSITIONS].get(sc, {}).get("fp8_kl")
+            row[NO_POSITIONS] = {"at_fp8": e, "ratio_to_weighted": ratio_of(e, row[WEIGHTED]["at_fp8"])}
         out.append(row)
     return out
 
@@ -205,14 +230,19 @@ def _near(p: dict | None) -> str:
     return f"{p['setting']}: {p['bpv']:.2f} bpv, {100 * p['top1']:.1f}%, {100 * p['ppl_rel_change']:+.2f}%{ident}"
 
 
+def _ratio_cell(r: dict) -> str:
+    if r["ratio"] is None:
+        return "-"
+    return f"{r['ratio']:.3f}" if r["kind"] == "=" else f"{r['kind']} {r['ratio']:.3f}"
+
+
 def verdict_table(rows: list[dict], target: float = TARGET_RATIO) -> list[str]:
     """Markdown table of :func:`verdict_rows`."""
     out = ["| scope | FP8 KL | FP8 bpv | FP8 top-1 / ppl | weighted bpv @FP8 | attention bpv @FP8 | ratio | "
            f"<= {target:g} | weighted nearest (top-1, ppl) | attention nearest (top-1, ppl) |",
            "|---|---:|---:|---|---:|---:|---:|---|---|---|"]
     for r in rows:
-        ratio = "-" if r["ratio"] is None else (f"{r['ratio']:.3f}" if r["ratio_kind"] == "=" else
-                                                f"{r['ratio_kind']} {r['ratio']:.3f}")
+        ratio = _ratio_cell({"ratio": r["ratio"], "kind": r["ratio_kind"]})
         ok = {True: "yes", False: "no", None: "undecided"}[r["meets"]]
         out.append(f"| {r['scope']} | {r['fp8_kl']:.2e} | {r['fp8_bpv']:.2f} | {100 * r['fp8_top1']:.1f}% / "
                    f"{100 * r['fp8_ppl_rel_change']:+.2f}% | {_cell(r[WEIGHTED]['at_fp8'])} | "
@@ -262,6 +292,12 @@ def markdown(res: dict) -> str:
         out += [f"## Verdict at context {ctx}", "",
                 f"{c['aggregate']['n_prompts']} complete prompts" + (f"; {t / 60:.1f} min" if t else "") + ".", ""]
         out += verdict_table(rows) + [""]
+        if any(NO_POSITIONS in r for r in rows):
+            out += [f"Ablation {NO_POSITIONS} (the attention scope without the prefill's per-position weights: "
+                    "per-tensor and per-channel weights only), bpv at FP8's KL and its ratio to weighted's: "
+                    + "; ".join(f"{r['scope']} {_cell(r[NO_POSITIONS]['at_fp8'])} "
+                                f"({_ratio_cell(r[NO_POSITIONS]['ratio_to_weighted'])})"
+                                for r in rows if NO_POSITIONS in r) + ".", ""]
     for c in res["contexts"].values():
         sub = {"model": res["model"], "config": c["config"], "aggregate": c["aggregate"], "timing": {}}
         body = format_report(sub).splitlines()
@@ -280,7 +316,8 @@ def plot_contexts(res: dict, path) -> None:
     plt = pyplot()
     ctxs = list(res["contexts"])
     fig, axes = plt.subplots(1, len(ctxs), figsize=(5.4 * len(ctxs), 4.2), squeeze=False)
-    style = {WEIGHTED: ("tab:blue", "o-"), ATTENTION: ("tab:red", "o-"), REFERENCE_METHOD: ("k", "*")}
+    style = {WEIGHTED: ("tab:blue", "o-"), ATTENTION: ("tab:red", "o-"), REFERENCE_METHOD: ("k", "*"),
+             NO_POSITIONS: ("tab:orange", "s--")}
     for ax, ctx in zip(axes[0], ctxs):
         agg = res["contexts"][ctx]["aggregate"]
         for m, (col, st) in style.items():
@@ -328,6 +365,8 @@ def parse_args(argv=None):
     ap.add_argument("--md", help="Markdown report path (default: the JSON's with .md)")
     ap.add_argument("--bank-command", default="", help="the command that fitted the bank (recorded in the report)")
     ap.add_argument("--model-name", help="the model's name in the report (default: the bank's model id)")
+    ap.add_argument("--ablation", action="store_true", help=f"also {NO_POSITIONS}: the attention scope without "
+                    "per-position weights (the prefill's capture statistics withheld)")
     ap.add_argument("--resume", action="store_true", help="continue from the JSON's .partial.json, or extend a "
                     "finished JSON (rows it has are kept)")
     ap.add_argument("--finalize", action="store_true", help="write the reports from the .partial.json only")
@@ -375,12 +414,12 @@ def main(argv=None) -> int:
     prev = {}  # --resume: an interrupted run (.partial.json), or a finished one extended (more docs, eps, contexts)
     if a.resume and (partial.is_file() or json_out.is_file()):
         prev = json.loads((partial if partial.is_file() else json_out).read_text())
-    settings = settings_for(bank, a.eps)
-    keys = {(s.curve, s.label) for s in settings.values()}
+    settings = settings_for(bank, a.eps, ablation=a.ablation)
+    keys = {(getattr(s, "curve"), getattr(s, "label")) for s in settings.values()}  # noqa: B009
     commands = [c for c in [a.bank_command, *prev.get("config", {}).get("commands", [])[1:], cmd] if c]
     config = {"docs": [d for d, _ in docs], "per_doc": a.per_doc, "score_tokens": a.score_tokens,
               "contexts": a.contexts, "eps": a.eps, "bank": bank.id, "bank_model": bank.model,
-              "variants": VARIANTS, "reference": "float32 K/V of the same prefill", "kv_dtype": "bfloat16",
+              "variants": VARIANTS, "ablation": NO_POSITIONS if a.ablation else None, "reference": "float32 K/V of the same prefill", "kv_dtype": "bfloat16",
               "calib_texts": a.calib_texts, "calib_tokens": a.calib_tokens, "commands": commands,
               "model_load_s": round(t_load, 1), "greedy_tokens": getattr(rq, "GREEDY_TOKENS", None),
               "rate_quality_patched": patched, "notes": []}

@@ -90,3 +90,30 @@ def test_verdict_with_attention_out_of_range():
     r = res["verdict"]["256"][0]
     assert r["ratio_kind"] == "<" and r["ratio"] == pytest.approx(2.2 / 3.0) and r["meets"] is True
     assert "< 2.20" in "\n".join(S.verdict_table(res["verdict"]["256"]))
+
+
+def test_ablation_curve_gets_its_ratio_to_weighted():
+    rows = _rows("a", 1e-3, [(2.0, 1e-2), (4.0, 1e-4)], [(1.0, 1e-2), (3.0, 1e-4)])
+    rows += [_row(S.NO_POSITIONS, f"eps={i}", "a", b, k) for i, (b, k) in enumerate([(1.5, 1e-2), (3.3, 1e-4)])]
+    res = S.assemble("tiny", {"docs": ["a"], "per_doc": 1, "score_tokens": 4, "eps": [0.01]},
+                     {"256": {"rows": rows, "prompts": []}})
+    r = res["verdict"]["256"][0]
+    assert r[S.NO_POSITIONS]["ratio_to_weighted"]["ratio"] == pytest.approx(2.4 / 3.0)
+    assert r["ratio"] == pytest.approx(2.0 / 3.0)  # the main verdict is still attention / weighted
+    assert f"Ablation {S.NO_POSITIONS}" in S.markdown(res)
+    plain = S.assemble("tiny", {"docs": ["a"], "per_doc": 1, "score_tokens": 4, "eps": [0.01]},
+                       {"256": {"rows": [x for x in rows if x["method"] != S.NO_POSITIONS], "prompts": []}})
+    assert S.NO_POSITIONS not in plain["verdict"]["256"][0] and "Ablation" not in S.markdown(plain)
+
+
+def test_settings_fp8_both_scopes_and_the_ablation():
+    from alignpred.bank import resolve_bank
+
+    bank = resolve_bank("gemma-3-270m")  # any bank: settings are only built here, nothing is compressed
+    keys = set(S.settings_for(bank, [0.01, 0.02]))
+    assert keys == {f"{m} | eps={e}" for m in (S.WEIGHTED, S.ATTENTION) for e in ("0.01", "0.02")} | {"fp8 | e4m3"}
+    ab = S.settings_for(bank, [0.01], ablation=True)
+    assert set(ab) == {f"{S.WEIGHTED} | eps=0.01", f"{S.ATTENTION} | eps=0.01", "fp8 | e4m3",
+                       f"{S.NO_POSITIONS} | eps=0.01"}
+    assert ab[f"{S.ATTENTION} | eps=0.01"].desc["scope"] == "attention"
+    assert ab[f"{S.NO_POSITIONS} | eps=0.01"].curve == S.NO_POSITIONS
