@@ -108,6 +108,9 @@ def cli():
 @click.option("--tensor-cap", type=float, default=None,
               help="Pooled and weighted scopes: cap every tensor's NRMSE at this multiple of eps (0 = no cap)  "
                    "[default: alignpred.codec.budget.TENSOR_CAP, 3]")
+@click.option("--plain-cap", type=float, default=None,
+              help="Attention scope: cap every tensor's plain NRMSE over the positions a later query reads (0 = no "
+                   "cap)  [default: alignpred.codec.budget.PLAIN_CAP, 0.5]")
 @click.option("--lossless", is_flag=True,
               help="Add a refinement tier: the file decodes to the original bits; its coarse tier (at --eps) stays "
                    "readable alone (decompress --tier coarse).")
@@ -120,8 +123,8 @@ def cli():
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_errors
 def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, align, no_map, blend, no_intra,
-             no_channel_choice, no_rope_undo, sink_tokens, tensor_cap, lossless, trust_rope, threads, force, as_json,
-             quiet):
+             no_channel_choice, no_rope_undo, sink_tokens, tensor_cap, plain_cap, lossless, trust_rope, threads, force,
+             as_json, quiet):
     """Compress a KV cache (safetensors) into a .kvz file.
 
     BANK is a bank file, a registered bank's name (see `kvz bank list`; e.g. gemma-3-270m) or
@@ -138,7 +141,7 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
         raise click.UsageError("give one of --bank BANK or --self-calibrate, not both")
     # The budget is checked before the input is read: a bad --eps is one line, at once.
     budget = ErrorBudget.from_options(eps=DEFAULT_EPS if eps is None and target_kl is None else eps, scope=eps_scope,
-                                      tensor_cap=tensor_cap, target_kl=target_kl)
+                                      tensor_cap=tensor_cap, target_kl=target_kl, plain_cap=plain_cap)
     cache = load_cache(src)  # a bad input is reported before the output is looked at
     _check_output(out, force, [src])
     if self_calibrate:
@@ -337,15 +340,20 @@ def inspect(src, as_json, check):
              "tiers: " + ", ".join(f"{t} {8 * s['tier_payload_bytes'][t] / s['n_values']:.3f} bpv"
                                    for t in s["tiers"]),
              f"{'tensor':<20} {'nrmse':>9} {'bpv':>7} {'worst object':>13}"]
+    plain = s["error_measure"] == "attention" and all("plain_nrmse_read" in t for t in s["tensors"].values())
+    if plain:
+        lines[-1] += f" {'plain (read)':>13}"
     if s["error_measure"] == "attention":
         cfg = s["config"]
         stale = (f"; in sliding-window layers, positions before the last {cfg['stale_window'] - 1} at step x "
                  f"{cfg['stale_scale']:g} (never attended again)" if cfg.get("stale_window") else "")
         lines.insert(-1, "error measure: attention-weighted (every value's error and norm weighted by 1 / its step "
                          f"multiplier squared: channels by the bank's query and W_o statistics{stale}); the NRMSE "
-                         "columns are in that measure")
+                         "columns are in that measure" + (f"; plain (read): the plain NRMSE over the positions a later "
+                                                         f"query reads, capped at {s['plain_cap']:g}" if plain else ""))
     for name, t in s["tensors"].items():
-        lines.append(f"{name:<20} {t['nrmse']:9.6f} {t['bpv_payload']:7.3f} {t['max_object_nrmse']:13.6f}")
+        lines.append(f"{name:<20} {t['nrmse']:9.6f} {t['bpv_payload']:7.3f} {t['max_object_nrmse']:13.6f}"
+                     + (f" {t['plain_nrmse_read']:13.6f}" if plain else ""))
     _emit(s, as_json, lines)
 
 

@@ -22,12 +22,14 @@ import numpy as np
 
 from alignpred.errors import KvzError
 
-__all__ = ["ErrorBudget", "SCOPES", "JOINT", "WEIGHTED", "TENSOR_CAP", "DEFAULT_EPS", "STEP_UNIT", "TensorMeta"]
+__all__ = ["ErrorBudget", "SCOPES", "JOINT", "WEIGHTED", "TENSOR_CAP", "PLAIN_CAP", "DEFAULT_EPS", "STEP_UNIT",
+           "TensorMeta"]
 
 SCOPES = ("object", "tensor", "pooled", "weighted", "attention")
 JOINT = ("pooled", "weighted", "attention")  # scopes whose budget spans the whole cache
 WEIGHTED = ("weighted", "attention")  # scopes whose budget weighs tensors by their effect on the model
 TENSOR_CAP = 3.0  # joint scopes: default cap of every tensor's NRMSE, in multiples of eps
+PLAIN_CAP = 0.5  # attention scope: every tensor's plain NRMSE over the positions a later query reads
 DEFAULT_EPS = 0.03  # what `kvz compress` uses when neither --eps nor --target-kl is given
 STEP_UNIT = 32  # tensors[].step_codes: a channel's step multiplier is code / STEP_UNIT (code 1..255)
 
@@ -57,6 +59,7 @@ class ErrorBudget:
     target_kl: float | None = None
     eps_from_kl: bool = False  # set by resolved(): eps was derived from target_kl
     auto_scope: bool = False  # target_kl without a scope: the writer takes the best scope the bank supports
+    plain_cap: float = PLAIN_CAP  # attention scope: cap of every tensor's plain NRMSE over the positions read
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -72,6 +75,8 @@ class ErrorBudget:
             raise KvzError("give the error bound eps (e.g. eps=0.03) or a quality target target_kl")
         if self.eps is not None and not (_number(self.eps) and 0 < self.eps < 1):
             raise KvzError(f"eps must be a number in (0, 1), got {self.eps!r}")
+        if not (_number(self.plain_cap) and 0 <= self.plain_cap <= 10):
+            raise KvzError(f"plain_cap must be 0 (no cap) or a number in (0, 10], got {self.plain_cap!r}")
         if not (_number(self.tensor_cap) and (self.tensor_cap == 0 or 1.0 <= self.tensor_cap < 1e6)):
             raise KvzError(f"tensor_cap must be 0 (no cap) or a number >= 1, got {self.tensor_cap!r}")
         if self.weights is not None:
@@ -81,14 +86,15 @@ class ErrorBudget:
                 raise KvzError("weights must be a mapping {tensor name: positive weight}")
 
     @classmethod
-    def from_options(cls, eps=None, scope: str | None = None, tensor_cap=None, weights=None, target_kl=None):
+    def from_options(cls, eps=None, scope: str | None = None, tensor_cap=None, weights=None, target_kl=None,
+                     plain_cap=None):
         """The budget of loose options as the CLI and :func:`~alignpred.compress` take them:
         ``eps`` defaults to :data:`DEFAULT_EPS` when neither it nor ``target_kl`` is given
         only for the CLI (the library asks for one); ``None`` means the default."""
         auto = scope is None and target_kl is not None
         return cls(eps=eps, scope=scope or ("weighted" if auto else "tensor"),
                    tensor_cap=TENSOR_CAP if tensor_cap is None else tensor_cap, weights=weights, target_kl=target_kl,
-                   auto_scope=auto)
+                   auto_scope=auto, plain_cap=PLAIN_CAP if plain_cap is None else plain_cap)
 
     @property
     def joint(self) -> bool:
@@ -147,6 +153,8 @@ class TensorMeta:
     refine_models: np.ndarray | None = None  # uint8 [kv_heads * head_dim]: refinement tier's models
     step_codes: np.ndarray | None = None  # uint8 [kv_heads * head_dim] in 1..255 (config.channel_steps)
     row_codes: np.ndarray | None = None  # uint8 [n_tokens] in 1..255 (config.row_steps)
+    plain_sq_err: float | None = None  # attention scope: plain squared error over the positions a query reads
+    plain_sq_norm: float | None = None
 
     def row_steps(self) -> np.ndarray | None:
         """Per-position step multipliers ``row_codes / 32`` (float32 [n_tokens], exact), or None."""

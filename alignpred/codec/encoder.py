@@ -15,8 +15,9 @@ import numpy as np
 
 from alignpred import entropy
 from alignpred.cache.layout import Block, tensor_name
-from alignpred.codec.budget import JOINT, STEP_UNIT, WEIGHTED, ErrorBudget, TensorMeta
+from alignpred.codec.budget import JOINT, WEIGHTED, ErrorBudget, TensorMeta
 from alignpred.codec.chain import OBJ_ZERO, Chain, obj_sums
+from alignpred.codec.measure import Measure
 from alignpred.codec.predictors import BASE_MASK, INTERP, ZERO
 from alignpred.codec.ratecontrol import joint_search, step_shape
 from alignpred.codec.ratesearch import bracket_search
@@ -76,35 +77,7 @@ class Encoder(Chain):
             self.weights = w
         elif weights is not None:
             raise EncodeError("tensor weights are used by the weighted scope only")
-        n_c = layout.kv_heads * layout.head_dim
-        if config.channel_steps:
-            codes = list(step_codes) if step_codes is not None else []
-            if len(codes) != n_t or not all(np.asarray(c).shape == (n_c,) and np.asarray(c).dtype == np.uint8
-                                            and int(np.asarray(c).min()) >= 1 for c in codes):
-                raise EncodeError(f"channel_steps needs {n_t} uint8 step-code arrays [{n_c}] in 1..255")
-            self.step_codes: list | None = [np.asarray(c, np.uint8) for c in codes]
-        elif step_codes is not None:
-            raise EncodeError("step codes need config.channel_steps")
-        else:
-            self.step_codes = None
-        self.row_codes: list | None = None
-        self._rows_mult: list = [None] * n_t
-        if config.row_steps:
-            rc = list(row_codes) if row_codes is not None else []
-            if len(rc) != n_t or not all(np.asarray(c).shape == (layout.n_tokens,) and np.asarray(c).dtype == np.uint8
-                                         and int(np.asarray(c).min()) >= 1 for c in rc):
-                raise EncodeError(f"row_steps needs {n_t} uint8 row-code arrays [{layout.n_tokens}] in 1..255")
-            self.row_codes = [np.asarray(c, np.uint8) for c in rc]
-            self._rows_mult = [c.astype(np.float32) / np.float32(STEP_UNIT) for c in self.row_codes]
-        elif row_codes is not None:
-            raise EncodeError("row codes need config.row_steps")
-        # The attention scope measures error weighted by 1 / (step multiplier)² of every value
-        # (channel and row multipliers): what the multipliers encode as the model's weights.
-        self.measure_weighted = self.scope == "attention"
-        self._wc = None
-        if self.measure_weighted and self.step_codes is not None:
-            H, d = layout.kv_heads, layout.head_dim
-            self._wc = [((np.float64(STEP_UNIT) / c.astype(np.float64)) ** 2).reshape(H, d) for c in self.step_codes]
+        self.measure = Measure(layout, config, budget, step_codes, row_codes)  # steps and the scope's measure
         self._tensor_of = {t: k for k, t in enumerate(layout.tensors())}
         self.chunk_objects = max(1, int(chunk_objects))
         self.threads = default_threads() if threads is None else max(1, int(threads))
@@ -143,17 +116,15 @@ class Encoder(Chain):
                     raise NonFiniteError(f"{tensor_name(*self.tensors[ti])}: {len(bad)}+ NaN/Inf values (first at "
                                          f"head {h}, token {a + t}, channel {c}); kvz refuses non-finite input: fix "
                                          "the cache or replace them before compressing")
-                sq = [self._row_sq(xh.astype(np.float64), ti, h, a) for h, xh in enumerate(x)]
+                sq = [self.measure.row_sq(xh.astype(np.float64), ti, h, a) for h, xh in enumerate(x)]
+                self.measure.keep_plain_norms(x, ti, j0, j1, a)
                 norms[ti, j0:j1] = sum(obj_sums(v, S) for v in sq)  # per head, then summed: as before
         return norms
 
     # -- coding one head of one chunk ------------------------------------------------------------
     def chan(self, ti: int, h: int) -> np.ndarray | None:
         """Per-channel step multipliers of head ``h`` of tensor ``ti`` (None: all ones)."""
-        if self.step_codes is None:
-            return None
-        d = self.layout.head_dim
-        return self.step_codes[ti][h * d:(h + 1) * d].astype(np.float32) / np.float32(STEP_UNIT)
+        return self.measure.chan(ti, h)
 
     def _code_head(self, plan, m, z, local, delta_rows, zero_rows, blk, base=None, chan=None):
         if base is None:
@@ -169,31 +140,17 @@ class Encoder(Chain):
             rec[zero_rows] = self.frame.zero_image(blk)
         return q, rec
 
-    def _row_sq(self, d: np.ndarray, ti: int, h: int, start: int) -> np.ndarray:
-        """Squared norm of every row of ``d [n, head_dim]`` (float64, native frame, file rows
-        from ``start``) in the scope's measure: plain, or (attention scope) weighted by
-        ``1 / multiplier²`` per channel and per row."""
-        if not self.measure_weighted:
-            return np.einsum("ij,ij->i", d, d)
-        e = np.einsum("ij,ij,j->i", d, d, self._wc[ti][h]) if self._wc is not None else np.einsum("ij,ij->i", d, d)
-        layer = self.tensors[ti][0]
-        steps = np.ones(len(e), np.float32)
-        self.config.scale_sink(steps, start, self.layout.position_offset)
-        self.config.scale_stale(steps, start, self.layout, layer)
-        rows = self._rows_mult[ti]
-        if rows is not None:
-            steps *= rows[start:start + len(e)]
-        return e / np.square(steps.astype(np.float64))
-
     def _row_errors(self, rec, xh, blk, start) -> np.ndarray:
         """Squared error per row after the inverse transform and the cast, object by object (in
-        the scope's measure, :meth:`_row_sq`)."""
+        the scope's measure, :meth:`Measure.row_sq`; with a plain cap, each object's plain squared
+        error over the rows a later query reads is kept for the search)."""
         S = self.config.object_size
         ti = self._tensor_of[(blk.layer, blk.kind)]
         e = np.empty(rec.shape[0])
         for a in range(0, rec.shape[0], S):
             d = self.frame.to_native(rec[a:a + S], blk, start + a).astype(np.float64) - xh[a:a + S]
-            e[a:a + S] = self._row_sq(d, ti, blk.head, start + a)
+            e[a:a + S] = self.measure.row_sq(d, ti, blk.head, start + a)
+            self.measure.keep_plain_error(d, ti, blk.head, start + a)
         return e
 
     # -- predictor modes and first steps, on a sample of objects --------------------------------
@@ -235,7 +192,7 @@ class Encoder(Chain):
             layer, kind = self.tensors[ti]
             x, z = sample(ti)
             dr, zr = zip(*(self.delta_rows(delta_obj[k:k + 1], zero[ti, j:j + 1], j * S, layer=layer,
-                                           rows=self._rows_mult[ti]) for k, j in enumerate(objs)))
+                                           rows=self.measure.rows[ti]) for k, j in enumerate(objs)))
             delta_rows, zero_rows = np.concatenate(dr), np.concatenate(zr)
             loc = dict(local)
             err = np.zeros(len(objs))
@@ -284,7 +241,7 @@ class Encoder(Chain):
 
             norm_t = norms[:, objs].sum(axis=1)
             g0 = max(self.eps * np.sqrt(12.0 * norm_t.sum() / (rows.sum() * n_t)), 1e-30)
-            dt, hs = self._pooled_search(evaluate, g0 * self._step_shape(norm_t), norm_t)
+            dt, hs = self._pooled_search(evaluate, g0 * self._step_shape(norm_t), norm_t, objs=objs)
             return modes, np.repeat(dt.astype(np.float32)[:, None], self.n_obj, axis=1), np.stack(hs)
         local: dict = {}
         for ti in range(n_t):
@@ -330,8 +287,10 @@ class Encoder(Chain):
     def _step_shape(self, norm_t) -> np.ndarray:
         return step_shape(norm_t, self.weights)
 
-    def _pooled_search(self, evaluate, d0, norm_t, aim: float = 0.997, widen: int = 0):
-        return joint_search(evaluate, d0, norm_t, self.eps, self.tensor_cap, self.weights, self.scope, aim, widen)
+    def _pooled_search(self, evaluate, d0, norm_t, aim: float = 0.997, widen: int = 0, objs=None):
+        m = self.measure  # the plain cap: plain errors and norms per tensor over the objects the search measures
+        return joint_search(evaluate, d0, norm_t, self.eps, self.tensor_cap, self.weights, self.scope, aim, widen,
+                            plain=(lambda: m.plain(objs)) if m.plain_cap else None, plain_cap=m.plain_cap)
 
     def _choose(self, plan, z, local, delta_rows, chan=None):
         """Modes ``[d]`` with the smallest estimated cost at the initial step, and the base
@@ -363,7 +322,7 @@ class Encoder(Chain):
         for ti, (layer, kind) in enumerate(self.tensors):
             x = self._rows(tensors, ti, a, b)
             delta_rows, zero_rows = self.delta_rows(delta[ti, j0:j1], zero[ti, j0:j1], a, layer=layer,
-                                                    rows=self._rows_mult[ti])
+                                                    rows=self.measure.rows[ti])
             q = np.empty((b - a, H * d), np.int32)
             err = np.zeros(j1 - j0)
             for h in range(H):
@@ -495,6 +454,8 @@ class Encoder(Chain):
             yield ob
         self.metas = [TensorMeta(name=tensor_name(layer, kind), modes=modes[ti].astype(np.uint8), models=models[ti],
                                  sq_err=float(err[ti].sum()), sq_norm=float(norms[ti].sum()),
-                                 step_codes=None if self.step_codes is None else self.step_codes[ti],
-                                 row_codes=None if self.row_codes is None else self.row_codes[ti])
+                                 step_codes=None if self.measure.step_codes is None else self.measure.step_codes[ti],
+                                 row_codes=None if self.measure.row_codes is None else self.measure.row_codes[ti],
+                                 plain_sq_err=self.measure.tensor_plain(ti)[0],
+                                 plain_sq_norm=self.measure.tensor_plain(ti)[1])
                       for ti, (layer, kind) in enumerate(self.tensors)]

@@ -20,7 +20,7 @@ def step_shape(norm_t, weights=None) -> np.ndarray:
     return s / s.max()
 
 def joint_search(evaluate, d0, norm_t, eps: float, tensor_cap: float, weights=None, scope: str = "pooled",
-             aim: float = 0.997, widen: int = 0):
+                 aim: float = 0.997, widen: int = 0, plain=None, plain_cap: float = 0.0):
     """Pooled and weighted scopes: the largest steps with the cache's (weighted) error within
     ``eps`` and, with a cap, every tensor's NRMSE within ``tensor_cap × eps``. Steps are
     ``g × shape_t`` (:func:`step_shape`), except that a tensor that would pass its cap gets
@@ -31,7 +31,12 @@ def joint_search(evaluate, d0, norm_t, eps: float, tensor_cap: float, weights=No
     cap_t)² = aim · target`` (bisection; ``u_t = w_t / ||X_t||²``, 1 when pooled); it stops
     when both constraints hold and the budget is used to within the band below its target
     (0.6 %, doubling per pass from the ``widen``-th pass on). ``evaluate(steps per tensor)``
-    returns ``(squared errors per tensor, result)``; returns ``(steps, result)``."""
+    returns ``(squared errors per tensor, result)``; returns ``(steps, result)``.
+
+    ``plain`` (the attention scope): a callable giving ``(plain squared errors, plain squared
+    norms)`` per tensor of the last evaluation; every tensor's plain NRMSE must then also stay
+    within ``plain_cap``. It is held as a cap in the scope's measure, re-derived after every pass
+    from the measured ratio of the two errors (which hardly moves with the step)."""
     norm_t = np.asarray(norm_t, np.float64)
     if weights is None:
         u = np.ones(len(norm_t))
@@ -40,7 +45,17 @@ def joint_search(evaluate, d0, norm_t, eps: float, tensor_cap: float, weights=No
         u = np.where(norm_t > 0, weights / np.maximum(norm_t, 1e-300), 0.0)
         target = eps ** 2 * float(weights[norm_t > 0].sum())
     shape = step_shape(norm_t, weights)
-    cap_t = (tensor_cap * eps) ** 2 * norm_t if tensor_cap else np.full(len(norm_t), np.inf)
+    cap_base = (tensor_cap * eps) ** 2 * norm_t if tensor_cap else np.full(len(norm_t), np.inf)
+    cap_t = cap_base
+
+    def caps(e):  # the scope's cap per tensor, tightened where the plain error would pass plain_cap
+        if plain is None or not plain_cap:
+            return cap_base
+        pe, pn = plain()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            held = np.where(pe > 0, e * (plain_cap ** 2 * pn) / np.maximum(pe, 1e-300), np.inf)
+        return np.minimum(cap_base, held)
+
     d = np.asarray(d0, np.float64).copy()
     best = None
     cap_hi = np.full(len(d), np.inf)  # smallest step seen above the cap, per tensor
@@ -48,6 +63,8 @@ def joint_search(evaluate, d0, norm_t, eps: float, tensor_cap: float, weights=No
     capped = np.isfinite(cap_t)
     for it in range(16):
         e, res = evaluate(d.astype(np.float32))
+        cap_t = caps(e)
+        capped = np.isfinite(cap_t)
         tot = float(np.sum(u * e))
         over = e > cap_t
         caps_ok = not over.any()
@@ -95,6 +112,7 @@ def joint_search(evaluate, d0, norm_t, eps: float, tensor_cap: float, weights=No
     # does worse).
     for _ in range(100):
         e, res = evaluate(d.astype(np.float32))
+        cap_t = caps(e)
         tot = float(np.sum(u * e))
         if tot <= target and np.all(e <= cap_t):
             if best is not None and best[0] > tot:

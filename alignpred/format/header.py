@@ -91,6 +91,8 @@ def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas
              "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": coder_prec(coder)}}
     if tensor_cap:
         codec["tensor_cap"] = tensor_cap
+    if scope == "attention" and budget.plain_cap:
+        codec["plain_cap"] = float(budget.plain_cap)
     if weights is not None:
         codec["tensor_weights"] = list(weights)
     if target_kl is not None:
@@ -102,6 +104,8 @@ def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas
             t["refine_models"] = b64(m.refine_models)
         if m.step_codes is not None:
             t["step_codes"] = b64(m.step_codes)
+        if m.plain_sq_err is not None:  # attention scope: plain error over the positions a query reads
+            t["plain_sq_err"], t["plain_sq_norm"] = m.plain_sq_err, m.plain_sq_norm
         if m.row_codes is not None:  # one byte per position, deflated (RFC 1950)
             t["row_codes"] = base64.b64encode(zlib.compress(m.row_codes.tobytes(), 9)).decode("ascii")
         return t
@@ -146,6 +150,8 @@ def tensor_metas(h: dict, layout) -> list:
             m.row_codes = _inflate(t.get("row_codes"), layout.n_tokens, f"{name}.row_codes")
             if int(m.row_codes.min()) < 1:
                 raise FormatError(f"header field {name}.row_codes holds a zero step code (codes are 1..255)")
+        if "plain_sq_err" in t:
+            m.plain_sq_err, m.plain_sq_norm = float(t["plain_sq_err"]), float(t.get("plain_sq_norm", 0.0))
         metas.append(m)
     return metas
 
@@ -236,6 +242,9 @@ def check_header(h: dict) -> None:
         raise FormatError("codec.tensor_weights go with the weighted and attention scopes")
     if tw is not None and len(tw) != 2 * lay["num_layers"]:
         raise FormatError("codec.tensor_weights must hold one weight per tensor")
+    pc = codec.get("plain_cap", 0.0)
+    if not (type(pc) in (int, float) and 0 <= pc <= 10):
+        raise FormatError("codec.plain_cap must be a number in [0, 10]")
     cap = codec.get("tensor_cap", 0.0)
     if not (type(cap) in (int, float) and (cap == 0 or 1 <= cap < 1e6)):
         raise FormatError("codec.tensor_cap must be 0 or a number >= 1")
@@ -253,7 +262,8 @@ def check_header(h: dict) -> None:
                    "row_codes": "str"},
                "tensors[]", ("name", "modes", "models") + (("refine_models",) if refined else ())
                + (("step_codes",) if stepped else ()) + (("row_codes",) if cfg.get("row_steps") else ()))
-        if not (_nonneg(t.get("sq_err", 0.0)) and _nonneg(t.get("sq_norm", 0.0))):
+        if not (_nonneg(t.get("sq_err", 0.0)) and _nonneg(t.get("sq_norm", 0.0))
+                and _nonneg(t.get("plain_sq_err", 0.0)) and _nonneg(t.get("plain_sq_norm", 0.0))):
             raise FormatError(f"header tensor {t['name']!r} has invalid error statistics")
     if not isinstance(h.get("source_metadata", {}), dict):
         raise FormatError("header field source_metadata must be an object")

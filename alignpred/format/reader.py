@@ -474,16 +474,17 @@ class KvzReader:
             ents = self.index[ti * self.n_objects_per_tensor:(ti + 1) * self.n_objects_per_tensor]
             nbytes = sum(e.length for e in ents) + ENTRY_SIZE * len(ents)
             n_vals = lay.kv_heads * lay.n_tokens * lay.head_dim
-            steps = {} if m.step_codes is None else {  # the channels' step multipliers (format 1.3)
-                "step_multiplier_min": int(m.step_codes.min()) / STEP_UNIT,
-                "step_multiplier_max": int(m.step_codes.max()) / STEP_UNIT}
+            steps = {} if m.step_codes is None else {"step_multiplier_min": int(m.step_codes.min()) / STEP_UNIT,
+                                                      "step_multiplier_max": int(m.step_codes.max()) / STEP_UNIT}
+            if m.plain_sq_err is not None:  # attention scope: plain NRMSE over the positions a later query reads
+                steps["plain_nrmse_read"] = math.sqrt(m.plain_sq_err / m.plain_sq_norm) if m.plain_sq_norm else 0.0
             per[m.name] = {**steps, "nrmse": math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0,
                            "bpv_payload": 8.0 * nbytes / n_vals,
                            "max_object_nrmse": max((math.sqrt(e.sq_err / e.sq_norm) if e.sq_norm > 0 else 0.0)
                                                    for e in ents)}
         tot_e = sum(m.sq_err for m in self.metas)
         tot_n = sum(m.sq_norm for m in self.metas)
-        emb = self.header["bank"].get("embedded")
+        emb, codec = self.header["bank"].get("embedded"), self.header["codec"]
         tier_bytes = {}
         n_c = len(self.metas) * self.n_objects_per_tensor
         for k, name in enumerate(self.tiers):
@@ -495,5 +496,5 @@ class KvzReader:
                 "bank_bytes": int(emb["length"]) if emb else 0,
                 "file_bytes": size, "n_values": lay.n_values, "bpv": 8.0 * size / lay.n_values,
                 "nrmse_pooled": math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0,
-                "nrmse_max_tensor": max(v["nrmse"] for v in per.values()), "tensors": per,
-                "error_measure": "attention" if self.scope == "attention" else "plain"}
+                "nrmse_max_tensor": max(v["nrmse"] for v in per.values()), "tensors": per, "error_measure":
+                "attention" if self.scope == "attention" else "plain", "plain_cap": float(codec.get("plain_cap", 0.0))}

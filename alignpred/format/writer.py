@@ -89,6 +89,7 @@ def _as_cache(cache):
 def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str | None = None,
              config: CodecConfig | None = None, embed_bank: bool = False, coder: str = CODER,
              tensor_cap: float | None = None, lossless: bool = False, weights=None, target_kl: float | None = None,
+             plain_cap: float | None = None,
              threads: int | None = None, progress=None, budget: ErrorBudget | None = None,
              trust_rope: bool = False, attention_stats=None, capture_stats=None) -> CompressInfo:
     """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
@@ -113,6 +114,8 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
     and, per position, from ``capture_stats`` (the :class:`~alignpred.bank.CaptureStats` of the
     prefill that made this cache; default: the ``.capture-stats.json`` beside the cache file, as
     ``kvz capture --attention-stats`` writes it; without one, positions get no weights of their own).
+    ``plain_cap`` (attention scope; default 0.5, 0 = none): every tensor's plain NRMSE over the
+    positions a later query reads stays within it, so no component is silently destroyed.
     ``lossless``: add the refinement tier (:mod:`alignpred.codec.refine`): the file then decodes to
     the original bits exactly, and its coarse tier (at ``eps``) stays readable alone
     (``KvzReader(..., tier="coarse")``), e.g. as a drafter's cache.
@@ -126,9 +129,9 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
     """
     if budget is None:
         budget = ErrorBudget.from_options(eps=eps, scope=scope, tensor_cap=tensor_cap, weights=weights,
-                                          target_kl=target_kl)
-    elif any(v is not None for v in (eps, scope, tensor_cap, weights, target_kl)):
-        raise KvzError("give budget= or the loose eps/scope/tensor_cap/weights/target_kl options, not both")
+                                          target_kl=target_kl, plain_cap=plain_cap)
+    elif any(v is not None for v in (eps, scope, tensor_cap, weights, target_kl, plain_cap)):
+        raise KvzError("give budget= or the loose eps/scope/tensor_cap/weights/target_kl/plain_cap options, not both")
     cache = _as_cache(cache)
     src = cache.path
     try:

@@ -282,3 +282,31 @@ def test_target_kl_takes_the_best_scope_the_bank_supports(setup, tmp_path):
     plain.save(tmp_path / "plain.h5")
     p = compress(c, tmp_path / "p.kvz", target_kl=1e-3, bank=tmp_path / "plain.h5", weights=weights)
     assert p.scope == "weighted"  # no statistics: the weighted scope, as before
+
+
+def _plain_read(c, out, name, layer_sliding=True):
+    """Plain NRMSE of a tensor over the positions a later query reads (not the stale rows)."""
+    x = c.tensors[name][0].astype(np.float64)
+    d = out[name][0].astype(np.float64) - x
+    first = T - (WINDOW - 1) if layer_sliding else 0
+    return float(np.sqrt((d[first:] ** 2).sum() / (x[first:] ** 2).sum()))
+
+
+@pytest.mark.parametrize("cap", [0.0, 0.06])
+def test_plain_cap_holds_by_decoding(setup, with_ids, cap):
+    from alignpred import ErrorBudget
+    c, bank_path, _, weights, tmp = setup
+    b = ErrorBudget(eps=0.05, scope="attention", weights=weights, plain_cap=cap)
+    info = compress(with_ids, tmp / f"pc{cap}.kvz", budget=b, bank=bank_path, capture_stats=_capture(with_ids))
+    r = KvzReader(tmp / f"pc{cap}.kvz", bank=bank_path)
+    out = r.read()
+    plain = [_plain_read(c, out, n) for n in c.layout.tensor_names()]
+    if cap:
+        assert max(plain) <= cap * (1 + 1e-9)
+        assert r.header["codec"]["plain_cap"] == cap
+        for m, p in zip(r.metas, plain):  # the header holds the decoded plain statistics
+            assert np.sqrt(m.plain_sq_err / m.plain_sq_norm) == pytest.approx(p, rel=1e-9)
+    else:
+        assert max(plain) > 0.06  # the cap above binds: without it some tensor passes it
+        assert "plain_cap" not in r.header["codec"] and r.metas[0].plain_sq_err is None
+    assert info.nrmse_weighted <= 0.05 * (1 + 1e-9)
