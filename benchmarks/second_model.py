@@ -230,6 +230,24 @@ def _near(p: dict | None) -> str:
     return f"{p['setting']}: {p['bpv']:.2f} bpv, {100 * p['top1']:.1f}%, {100 * p['ppl_rel_change']:+.2f}%{ident}"
 
 
+def shortfall(row: dict, target: float = TARGET_RATIO) -> str:
+    """One sentence on a verdict row (:func:`verdict_rows`): the ratio against the target and, when both bpv are
+    interpolated, by how many bpv the attention scope misses (or beats) ``target`` x weighted's bpv; with the
+    ablation, its ratio (how much of the gain the per-position weights carry)."""
+    w, a = _bounds(row[WEIGHTED]["at_fp8"]), _bounds(row[ATTENTION]["at_fp8"])
+    if row["ratio"] is None:
+        return f"{row['scope']}: no ratio follows from the measured ranges"
+    s = f"{row['scope']}: ratio {_ratio_cell({'ratio': row['ratio'], 'kind': row['ratio_kind']})}"
+    if w[1] == "=" and a[1] == "=":
+        need = target * w[0]
+        s += (f" (attention {a[0]:.2f} bpv against {target:g} x {w[0]:.2f} = {need:.2f}: "
+              f"{'short by' if a[0] > need else 'within by'} {abs(a[0] - need):.2f} bpv)")
+    if NO_POSITIONS in row:
+        s += (f"; without per-position weights {_ratio_cell(row[NO_POSITIONS]['ratio_to_weighted'])} "
+              f"(bpv {_cell(row[NO_POSITIONS]['at_fp8'])})")
+    return s
+
+
 def _ratio_cell(r: dict) -> str:
     if r["ratio"] is None:
         return "-"
@@ -271,7 +289,7 @@ def markdown(res: dict) -> str:
     cfg = res["config"]
     out = [f"# Second model: kvz attention vs weighted scope against FP8 e4m3 ({res['model']})", "",
            f"Issue 20: bpv at FP8 e4m3's KL of the attention scope <= {TARGET_RATIO:g} x the weighted scope's. "
-           f"Held-out documents {', '.join(cfg['docs'])} ({cfg['per_doc']} prompt each), {cfg['score_tokens']} "
+           f"Held-out documents {', '.join(cfg['docs'])} ({cfg['per_doc']} prompt(s) each), {cfg['score_tokens']} "
            f"teacher-forced tokens scored against the exact float32 cache, bf16 K/V compressed and restored; "
            f"kvz-weighted and kvz-attention with tensor cap 3 at eps {', '.join(f'{e:g}' for e in cfg['eps'])}. "
            "bpv at FP8's KL is interpolated in log-KL between measured points (`<` x / `>` x: only a bound follows). "
@@ -292,6 +310,8 @@ def markdown(res: dict) -> str:
         out += [f"## Verdict at context {ctx}", "",
                 f"{c['aggregate']['n_prompts']} complete prompts" + (f"; {t / 60:.1f} min" if t else "") + ".", ""]
         out += verdict_table(rows) + [""]
+        out += [f"By how much (overall): {shortfall(rows[0])}.", ""] if rows and rows[0]["scope"] == "overall" \
+            else []
         if any(NO_POSITIONS in r for r in rows):
             out += [f"Ablation {NO_POSITIONS} (the attention scope without the prefill's per-position weights: "
                     "per-tensor and per-channel weights only), bpv at FP8's KL and its ratio to weighted's: "

@@ -117,3 +117,12 @@ def test_settings_fp8_both_scopes_and_the_ablation():
                        f"{S.NO_POSITIONS} | eps=0.01"}
     assert ab[f"{S.ATTENTION} | eps=0.01"].desc["scope"] == "attention"
     assert ab[f"{S.NO_POSITIONS} | eps=0.01"].curve == S.NO_POSITIONS
+
+
+def test_shortfall_says_by_how_much():
+    rows = _rows("a", 1e-3, [(2.0, 1e-2), (4.0, 1e-4)], [(1.6, 1e-2), (3.6, 1e-4)])  # 2.6 against 0.8 x 3.0
+    res = S.assemble("tiny", {"docs": ["a"], "per_doc": 1, "score_tokens": 4, "eps": [0.01]},
+                     {"256": {"rows": rows, "prompts": []}})
+    line = S.shortfall(res["verdict"]["256"][0])
+    assert "ratio 0.867" in line and "short by 0.20 bpv" in line and "2.40" in line
+    assert "By how much (overall): overall: ratio 0.867" in S.markdown(res)
