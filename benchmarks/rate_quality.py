@@ -115,7 +115,8 @@ PRESETS = {
     # never attended again), the kvz scopes and FP8 on the four documents of the full run
     "long": dict(docs=FULL_DOCS, per_doc=2, context=1024, score_tokens=32,
                  kvz_eps={"kvz-weighted": (0.0188, 0.0267, 0.0376, 0.0534),
-                          "kvz-attention": (0.0134, 0.0188, 0.0267, 0.0376, 0.0534),
+                          # 0.0225: FP8's KL lies between 0.0188 and 0.0267 for this mode (0.37 bpv apart)
+                          "kvz-attention": (0.0134, 0.0188, 0.0225, 0.0267, 0.0376, 0.0534),
                           "kvz-tensor": (0.0188, 0.0267, 0.0376)},
                  error_eps=(0.0267,), baselines=("fp8_e4m3",)),
     "full": dict(docs=FULL_DOCS, per_doc=6, context=256, score_tokens=32,

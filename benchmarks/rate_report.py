@@ -228,7 +228,8 @@ def format_report(res: dict) -> str:
     t = res.get("timing", {})
     if t:
         tot = t.get("total_s", 0) + cfg.get("previous_total_s", 0.0)
-        out.append(f"Wall time {tot / 60:.1f} min on 2 shared CPU cores (Gemma 3 270M, float32, one thread).")
+        out.append(f"Wall time {tot / 60:.1f} min on 2 shared CPU cores ({res.get('model', 'the model')}, float32, one "
+                   "thread).")
     return "\n".join(out) + "\n"
 
 
