@@ -132,5 +132,6 @@ def capture(text, tokens, out, dtype, from_file, source, chunk, model_path, mode
     click.echo(f"{s['path']}: {s['tokens']} tokens, {s['layers']} layers x {s['kv_heads']} kv heads x "
                f"{s['head_dim']}, {s['dtype']}, {s['bytes'] / 1e6:.1f} MB, prefill {s['seconds']:.1f} s")
     if s.get("attention_stats"):
-        click.echo(f"{s['attention_stats']}: attention statistics of the same prefill (for kvz calibrate)")
+        click.echo(f"{s['attention_stats']}: attention statistics of the same prefill (for kvz calibrate; kvz "
+                   "compress --eps-scope attention weighs positions by them)")
     sys.stdout.flush()
