@@ -158,13 +158,14 @@ class TensorMeta:
 
     def row_steps(self) -> np.ndarray | None:
         """Per-position step multipliers ``row_codes / 32`` (float32 [n_tokens], exact), or None."""
-        if self.row_codes is None:
-            return None
-        return self.row_codes.astype(np.float32) / np.float32(STEP_UNIT)
+        return None if self.row_codes is None else code_steps(self.row_codes)
 
     def channel_steps(self, head: int, head_dim: int) -> np.ndarray | None:
         """Head ``head``'s per-channel step multipliers ``step_codes / 32`` (float32 [head_dim],
         exact), or None when the tensor has none."""
-        if self.step_codes is None:
-            return None
-        return self.step_codes[head * head_dim:(head + 1) * head_dim].astype(np.float32) / np.float32(STEP_UNIT)
+        return None if self.step_codes is None else code_steps(self.step_codes[head * head_dim:(head + 1) * head_dim])
+
+
+def code_steps(codes) -> np.ndarray:
+    """Step multipliers of step codes (1..255): ``code / STEP_UNIT`` in float32, exact."""
+    return np.asarray(codes).astype(np.float32) / np.float32(STEP_UNIT)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from alignpred.codec.budget import STEP_UNIT
+from alignpred.codec.budget import STEP_UNIT, code_steps
 from alignpred.errors import EncodeError
 
 __all__ = ["Measure"]
@@ -59,7 +59,7 @@ class Measure:
         self.rows: list = [None] * n_t  # per tensor: float32 [n_tokens] row multipliers, or None
         if config.row_steps:
             self.row_codes = _codes(row_codes, n_t, layout.n_tokens, "row_steps")
-            self.rows = [c.astype(np.float32) / np.float32(STEP_UNIT) for c in self.row_codes]
+            self.rows = [code_steps(c) for c in self.row_codes]
         elif row_codes is not None:
             raise EncodeError("row codes need config.row_steps")
         self.weighted = budget.scope == "attention"
@@ -77,7 +77,7 @@ class Measure:
         if self.step_codes is None:
             return None
         d = self.layout.head_dim
-        return self.step_codes[ti][h * d:(h + 1) * d].astype(np.float32) / np.float32(STEP_UNIT)
+        return code_steps(self.step_codes[ti][h * d:(h + 1) * d])
 
     def row_sq(self, d: np.ndarray, ti: int, h: int, start: int) -> np.ndarray:
         """Squared norm of every row of ``d [n, head_dim]`` (float64, native frame, file rows

@@ -221,14 +221,10 @@ def _attention_steps(bank_ref, bank, layout, config, stats=None):
     attention statistics; a bank without them is a one-line error naming the fix."""
     from dataclasses import replace
 
-    from alignpred.bank.attention_stats import find_attention_stats
     from alignpred.codec.attention_steps import STALE_SCALE, step_codes
 
     if stats is None:
-        try:
-            stats = find_attention_stats(bank_ref if isinstance(bank_ref, (str, os.PathLike)) else bank)
-        except BankMismatchError:  # a bank built in memory (fit_bank) has no file to sit beside
-            stats = None
+        stats = _bank_stats(bank_ref, bank)
     elif not stats.fits(bank):
         raise KvzError(f"attention_stats are of bank {stats.bank_id[:19]}…, not of {bank.id[:19]}…")
     if stats is None:
@@ -242,15 +238,19 @@ def _attention_steps(bank_ref, bank, layout, config, stats=None):
     return config, step_codes(stats, layout, config)
 
 
-def _has_attention_stats(bank_ref, bank, stats=None) -> bool:
+def _bank_stats(bank_ref, bank, quiet: bool = False):
+    """The attention statistics beside the bank's file, or None (a bank built in memory has no
+    file to sit beside). A stale or malformed sidecar is an error, or None when ``quiet``."""
     from alignpred.bank.attention_stats import find_attention_stats
 
-    if stats is not None:
-        return True
     try:
-        return find_attention_stats(bank_ref if isinstance(bank_ref, (str, os.PathLike)) else bank) is not None
-    except (BankMismatchError, KvzError):  # no file to sit beside, or a stale/malformed sidecar: weighted
-        return False
+        return find_attention_stats(bank_ref if isinstance(bank_ref, (str, os.PathLike)) else bank)
+    except BankMismatchError:
+        return None
+    except KvzError:
+        if quiet:
+            return None
+        raise
 
 
 def _row_steps(cache, layout, config, capture=None):
@@ -289,7 +289,8 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
     bank_ref = bank
     bank = resolve_bank(bank, lay)
     codes = rcodes = None
-    if budget.auto_scope and budget.scope == "weighted" and _has_attention_stats(bank_ref, bank, attention_stats):
+    if budget.auto_scope and budget.scope == "weighted" and (
+            attention_stats is not None or _bank_stats(bank_ref, bank, quiet=True) is not None):
         from dataclasses import replace
 
         budget = replace(budget, scope="attention")  # --target-kl: the best scope this bank supports
