@@ -491,7 +491,7 @@ class KvzReader:
             tier_bytes[name] = sum(e.length + ENTRY_SIZE for e in self.index[k * n_c:(k + 1) * n_c])
         return {"file": self.path, "version": ".".join(map(str, self.version)), "layout": lay.to_json(),
                 "eps": self.eps, "eps_scope": self.scope, "tensor_cap": self.tensor_cap, "tiers": list(self.tiers),
-                "tier_payload_bytes": tier_bytes,
+                "tier_payload_bytes": tier_bytes, "coder": codec["entropy"]["coder"],
                 "config": self.config.to_json(), "bank_id": self.bank_id, "bank_embedded": bool(emb),
                 "bank_bytes": int(emb["length"]) if emb else 0,
                 "file_bytes": size, "n_values": lay.n_values, "bpv": 8.0 * size / lay.n_values,

@@ -31,6 +31,7 @@ from alignpred.codec.chain import OBJ_REFINE, OBJ_ZERO
 from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
 from alignpred.codec.encoder import EncodedObject, Encoder
+from alignpred.codec.profiles import profile as profile_named
 from alignpred.errors import BankMismatchError, KvzError, LayoutError, OutputExistsError
 from alignpred.format.container import (
     FLAG_REFINE,
@@ -87,11 +88,12 @@ def _as_cache(cache):
 
 
 def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str | None = None,
-             config: CodecConfig | None = None, embed_bank: bool = False, coder: str = CODER,
+             config: CodecConfig | None = None, embed_bank: bool = False, coder: str | None = None,
              tensor_cap: float | None = None, lossless: bool = False, weights=None, target_kl: float | None = None,
              plain_cap: float | None = None,
              threads: int | None = None, progress=None, budget: ErrorBudget | None = None,
-             trust_rope: bool = False, attention_stats=None, capture_stats=None) -> CompressInfo:
+             trust_rope: bool = False, attention_stats=None, capture_stats=None,
+             profile: str | None = None) -> CompressInfo:
     """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
     ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
     scope also caps every tensor at ``tensor_cap × eps``, 0 = no cap).
@@ -123,6 +125,10 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
     depend on it. ``progress(n)`` is called with positions done (several passes may run).
     ``budget``: an :class:`~alignpred.ErrorBudget` instead of the loose ``eps``, ``scope``,
     ``tensor_cap``, ``weights`` and ``target_kl`` (which are validated into one).
+    ``coder``: the entropy coder (default ``rans4``; see :data:`alignpred.entropy.CODERS`).
+    ``profile``: ``default``, ``balanced`` or ``fast`` (:mod:`alignpred.codec.profiles`): the
+    coder and predictors for a size/decode-speed trade-off, applied on top of ``config``; not
+    with ``coder``.
     ``trust_rope``: skip the check of the metadata's RoPE against the keys
     (:func:`alignpred.cache.check_rope_theta`: a base that leaves keys rotated warns, one that
     makes the frame worse than none is an error).
@@ -132,6 +138,7 @@ def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str
                                           target_kl=target_kl, plain_cap=plain_cap)
     elif any(v is not None for v in (eps, scope, tensor_cap, weights, target_kl, plain_cap)):
         raise KvzError("give budget= or the loose eps/scope/tensor_cap/weights/target_kl/plain_cap options, not both")
+    config, coder = _with_profile(profile, config, coder)
     cache = _as_cache(cache)
     src = cache.path
     try:
@@ -269,6 +276,16 @@ def _row_steps(cache, layout, config, capture=None):
         return config, None
     config = replace(config, row_steps=True)
     return config, row_codes(capture, layout, config)
+
+
+def _with_profile(name, config, coder):
+    """``(config, coder)`` after the profile ``name`` (None: ``config`` and ``coder`` as given)."""
+    if name is None:
+        return config, coder or CODER
+    if coder is not None:
+        raise KvzError("give profile= or coder=, not both (a profile chooses the coder)")
+    p = profile_named(name)
+    return p.apply(config or CodecConfig()), p.coder
 
 
 def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, coder, lossless, threads,
