@@ -61,16 +61,18 @@ class NativeUnavailable(RuntimeError):
     """No C compiler (or no C source) to build the native decoder with."""
 
 
-def build(folder: str, extra=()) -> str:
-    """Compile the C decoder into ``folder``; the shared library's path."""
+def build(folder: str, extra=(), source: str = SOURCE) -> str:
+    """Compile the C decoder (or another of ``benchmarks/native``'s probes) into ``folder``; the
+    shared library's path."""
     gcc = shutil.which("gcc")
     if gcc is None:
-        raise NativeUnavailable("gcc not found on PATH: the native lanes32 decoder cannot be built "
+        raise NativeUnavailable("gcc not found on PATH: the native probes cannot be built "
                                 "(install gcc, e.g. `apt-get install gcc`)")
-    if not os.path.exists(SOURCE):
-        raise NativeUnavailable(f"C source {os.path.basename(SOURCE)} missing (not an editable install?)")
-    so = os.path.join(folder, f"lanes32{''.join(extra).replace('-', '_')}.so")
-    r = subprocess.run([gcc, *CFLAGS, *extra, "-o", so, SOURCE], capture_output=True, text=True)
+    if not os.path.exists(source):
+        raise NativeUnavailable(f"C source {os.path.basename(source)} missing (not an editable install?)")
+    stem = os.path.splitext(os.path.basename(source))[0].replace("_avx2", "")
+    so = os.path.join(folder, f"{stem}{''.join(extra).replace('-', '_')}.so")
+    r = subprocess.run([gcc, *CFLAGS, *extra, "-o", so, source], capture_output=True, text=True)
     if r.returncode != 0:
         raise NativeUnavailable(f"gcc failed:\n{r.stderr[-2000:]}")
     return so

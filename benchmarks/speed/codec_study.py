@@ -50,7 +50,7 @@ def codec_section(caches: list[tuple[str, Any]], bank, *, codecs=CODECS, threads
                 pooled, worst, _ = error_stats(tensors, rec)
                 quality[c.name] = {"nrmse_pooled": pooled, "nrmse_max_tensor": worst, "bytes": c.nbytes()}
                 if isinstance(c, KvzCodec):
-                    identity[name] = decode_identity(c, rec, identity_threads)
+                    identity[name if c.name == "kvz" else f"{name} ({c.name})"] = decode_identity(c, rec, identity_threads)
                 del rec
             log(f"{name}: set-up {time.perf_counter() - t0:.1f} s; "
                 + ", ".join(f"{k} {8 * q['bytes'] / n:.3f} bpv" for k, q in quality.items()))

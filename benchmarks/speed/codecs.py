@@ -16,24 +16,32 @@ from .config import CODECS, EPS, SCOPE
 
 
 class KvzCodec:
-    """kvz: ``compress`` to memory, ``KvzReader(bytes, threads=).read()`` / ``read_into``."""
+    """kvz: ``compress`` to memory, ``KvzReader(bytes, threads=).read()`` / ``read_into``; with a
+    ``profile`` other than the default (``compress(profile=)``) it is named ``kvz-<profile>`` and
+    times encode and decode only."""
 
-    name = "kvz"
-    ops = ("encode", "decode", "decode_into")
+    ops: tuple = ("encode", "decode", "decode_into")
 
-    def __init__(self, cache, bank, eps: float = EPS, scope: str = SCOPE):
+    def __init__(self, cache, bank, eps: float = EPS, scope: str = SCOPE, profile: str = "default"):
         from alignpred import compress
 
-        self.cache, self.bank, self.eps, self.scope = cache, bank, eps, scope
+        self.cache, self.bank, self.eps, self.scope, self.profile = cache, bank, eps, scope, profile
+        self.name = "kvz" if profile == "default" else f"kvz-{profile}"
+        if profile != "default":
+            self.ops = ("encode", "decode")
         self._threads_kw = "threads" in inspect.signature(compress).parameters
         self.data: bytes | None = None
         self.bufs = {k: np.empty_like(np.asarray(v)) for k, v in cache.tensors.items()}
         self.extra: dict = {"eps": eps, "scope": scope, "encode_threads_param": self._threads_kw}
+        if profile != "default":
+            self.extra["profile"] = profile
 
     def encode(self, threads: int):
         from alignpred import compress
 
         kw = {"threads": threads} if self._threads_kw else {}
+        if self.profile != "default":
+            kw["profile"] = self.profile
         info = compress(self.cache, None, eps=self.eps, bank=self.bank, scope=self.scope, **kw)
         self.data = info.data
         return info
@@ -182,6 +190,8 @@ def make_codecs(name: str, cache, bank, wanted, eps: float = EPS) -> tuple[list,
     for c in wanted:
         if c == "kvz":
             out.append(KvzCodec(cache, bank, eps))
+        elif c.startswith("kvz-"):
+            out.append(KvzCodec(cache, bank, eps, profile=c[4:]))
         elif c == "sz3":
             if "sz3" not in avail:
                 skipped[c] = "pysz does not import"

@@ -10,7 +10,7 @@ BANK = "gemma-3-270m"
 KVZ01_COMMIT = "d9e1fc2"
 KVZ01_DIR = "/tmp/kvz01"
 SCHEMA = "kvz-speed/1"
-CODECS = ("kvz", "sz3", "fp8_e4m3", "zstd-3", "zstd-19", "lmcache_k16v8")
+CODECS = ("kvz", "kvz-balanced", "kvz-fast", "sz3", "fp8_e4m3", "zstd-3", "zstd-19", "lmcache_k16v8")
 SECTIONS = ("codecs", "entropy", "chunk", "profile", "bound", "processes", "cli", "restore")
 CHUNK_THREADS = (1, 2)  # the one-chunk decode is timed on these thread counts
 PROJECTED_CORES = (16, 64)  # break-even projected to these core counts: decode time = 1-thread time / cores

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..harness import ROOT
 from .codecs import KvzCodec
+from .dot_peak import dot_peak
 
 
 def profile_decode(codec: KvzCodec, top: int = 15) -> dict:
@@ -65,7 +66,8 @@ def bound_section(codec: KvzCodec, reps: int = 5) -> dict:
     same process, torch's bf16 GEMM on the same shapes (oneDNN, one thread; ``vdpbf16ps``/AMX where
     the CPU has them) is the reference for the core's dot-product peak. The bound: the read's
     values / (its multiply-adds / peak rate) is the values/s a decode would reach if everything but
-    the map products were free."""
+    the map products were free. Also: the map kernel's own time (one profiled read) and both rates
+    as shares of the core's integer dot-product peak (:func:`~.dot_peak.dot_peak`)."""
     from alignpred import DecoderSession, KvzReader, StageTimer
 
     timer = StageTimer()
@@ -85,6 +87,18 @@ def bound_section(codec: KvzCodec, reps: int = 5) -> dict:
            "map_products_s": t_maps, "kernel_gmacs": macs / t_maps / 1e9, "map_share": t_maps / wall,
            "rest_s": wall - t_maps, "rest_ns_per_value": (wall - t_maps) / n_values * 1e9,
            "shapes": sorted(set(shapes)), "stage_s": dict(timer.seconds)}
+    # the integer products alone (the kernel's own time in one profiled read) against the core's
+    # integer dot-product peak (register-only vpdpwssd / vpmaddwd chains)
+    prof = profile_decode(codec, top=1000)
+    own = sum(e["own_s"] for e in prof["top_own"] if "_map_predict" in e["function"])
+    if own > 0:
+        out["map_kernel_s"], out["map_kernel_gmacs"] = own, macs / own / 1e9
+    out["int_peak"] = dot_peak()
+    ip = out["int_peak"].get("peak_gmacs")
+    if ip:
+        out["stage_share_of_int_peak"] = out["kernel_gmacs"] / ip
+        if own > 0:
+            out["kernel_share_of_int_peak"] = out["map_kernel_gmacs"] / ip
     try:
         import torch
     except ImportError:

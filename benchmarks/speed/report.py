@@ -206,9 +206,20 @@ def markdown(res: dict) -> str:
                   f"{bd['map_floor_s']:.3f} s: a decode could reach at most {bd['max_vps_maps_only'] / 1e6:.1f} M "
                   "values/s if everything else were free" +
                   (f" = {bd['max_vps_maps_only'] / sz1['vps']:.2f}x SZ3's single-thread decode in this run "
-                   f"({sz1['vps'] / 1e6:.1f} M values/s); 0.6x SZ3 leaves "
-                   f"{(bd['values'] / (0.6 * sz1['vps']) - bd['map_floor_s']) / bd['values'] * 1e9:.2f} ns per value "
+                   f"({sz1['vps'] / 1e6:.1f} M values/s); 1.0x SZ3 leaves "
+                   f"{(bd['values'] / sz1['vps'] - bd['map_floor_s']) / bd['values'] * 1e9:.2f} ns per value "
                    f"for the rest (measured {bd['rest_ns_per_value']:.2f})" if sz1 else "") + "."]
+        ip = bd.get("int_peak") or {}
+        if ip.get("peak_gmacs"):
+            L += ["", "Integer dot-product peak of this core (register-only chains, `benchmarks/native/dot_peak.c`): "
+                  + ", ".join(f"{k} {v:.1f}" if v else f"{k} not available" for k, v in ip["probes"].items())
+                  + f" GMAC/s. The prediction stage runs at {bd['stage_share_of_int_peak']:.0%} of "
+                  f"{ip['peak_gmacs']:.1f}" + (f"; the map kernel alone (its own time in one profiled read, "
+                                               f"{bd['map_kernel_s']:.3f} s) at {bd['map_kernel_gmacs']:.1f} GMAC/s, "
+                                               f"{bd['kernel_share_of_int_peak']:.0%}"
+                                               if "kernel_share_of_int_peak" in bd else "") + "."]
+        elif ip.get("error"):
+            L += ["", f"Integer dot-product peak: not measured ({ip['error'].splitlines()[0]})."]
     pf = res.get("profile")
     if pf:
         L += ["", f"## Profile of one single-thread decode ({pf['wall_s_profiled']:.2f} s under cProfile)", "",
