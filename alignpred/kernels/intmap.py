@@ -84,6 +84,8 @@ from alignpred.kernels.intmap_block import (  # noqa: F401
     _i32_as_f32,
     _map_predict,
     _pow2,
+    block_weights,
+    unblock_weights,
 )
 from alignpred.threads import pool, row_threads
 
@@ -360,14 +362,18 @@ def map_predict(xq: np.ndarray, x_exp: np.ndarray, wp: np.ndarray, w_exp: np.nda
 
     ``xq int16 [S, n, d_pad]`` (C-contiguous; source ``s`` from :func:`quantize_rows` with that
     source's shift), ``x_exp int32 [S, n]``, ``wp`` from :func:`pack_weights` (``[S, d_pad/2,
-    d_out_pad, 2]``), ``w_exp int32 [S, d_out]``.  ``out``: float32 ``[n, d_out]`` with unit
-    column stride and any row stride (e.g. a row slice of a larger array); allocated if None.
+    d_out_pad, 2]``) or :func:`block_weights` (``[S, panels, d_pad/2, 32, 2]``), ``w_exp int32
+    [S, d_out]``.  ``out``: float32 ``[n, d_out]`` with unit column stride and any row stride
+    (e.g. a row slice of a larger array); allocated if None.
     Returns ``out``: ``float32(sum_s float64(xq_s @ wq_s.T) * 2**(x_exp_s[t] + w_exp_s[j]))``,
-    the integer products exact, the sources added in order in float64.
+    the integer products exact, the sources added in order in float64 (the same with either
+    weight layout).
     """
     S, n, K2 = xq.shape
     m = w_exp.shape[1] if n_out is None else n_out
-    if wp.shape[0] != S or 2 * wp.shape[1] != K2 or x_exp.shape != (S, n) or wp.shape[2] < m:
+    blocked = wp.ndim == 5
+    KP, mp = (wp.shape[2], wp.shape[1] * 32) if blocked else (wp.shape[1], wp.shape[2])
+    if wp.shape[0] != S or 2 * KP != K2 or x_exp.shape != (S, n) or mp < m or (blocked and wp.shape[3:] != (32, 2)):
         raise ValueError("map_predict: inconsistent shapes")
     if not (xq.dtype == np.int16 and wp.dtype == np.int16 and xq.flags.c_contiguous and wp.flags.c_contiguous):
         raise TypeError("map_predict: xq and wp must be C-contiguous int16")
@@ -381,7 +387,7 @@ def map_predict(xq: np.ndarray, x_exp: np.ndarray, wp: np.ndarray, w_exp: np.nda
     we = np.ascontiguousarray(w_exp, np.int32)
     if we.shape[1] < target.shape[1]:
         we = np.concatenate([we, np.zeros((S, target.shape[1] - we.shape[1]), np.int32)], axis=1)
-    _map_predict(xq, np.ascontiguousarray(x_exp, np.int32), wp, we, target)
+    _map_predict(xq, np.ascontiguousarray(x_exp, np.int32), wp.reshape(-1), KP, mp, blocked, we, target)
     if target is not out:
         out[:] = target[:, :m]
     return out
@@ -414,14 +420,16 @@ class IntMap:
                 r = self._ready
                 if r is None and self._args is not None:
                     wp, w_exp, sh = prepare_weights(self._args[0], self.n_src, self._args[1])
-                    r = self._ready = (wp, w_exp, sh, [_row_scales(sh[s]) for s in range(self.n_src)])
+                    r = self._ready = (block_weights(wp), w_exp, sh, [_row_scales(sh[s]) for s in range(self.n_src)])
                     self._args = None
         assert r is not None
         return r
 
     @property
     def wp(self) -> np.ndarray:
-        return self._prepared()[0]
+        """The integer weights in :func:`pack_weights`'s layout (a copy; the map keeps them in
+        :func:`block_weights`'s)."""
+        return unblock_weights(self._prepared()[0], self.d_out)
 
     @property
     def w_exp(self) -> np.ndarray:
@@ -434,8 +442,8 @@ class IntMap:
     def quantize(self, srcs, xq: np.ndarray | None = None):
         """Quantise the sources: ``(xq int16 [S, n, d_pad], x_exp int32 [S, n])``."""
         n = srcs[0].shape[0]
-        wp, _, _, scales = self._prepared()
-        kp2 = 2 * wp.shape[1]
+        wb, _, _, scales = self._prepared()
+        kp2 = 2 * wb.shape[2]
         if xq is None:
             xq = np.empty((self.n_src, n, kp2), np.int16)
         x_exp = np.empty((self.n_src, n), np.int32)

@@ -315,3 +315,27 @@ def test_rows_split_over_threads_give_the_same_bits(n):
         assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), (n, k)
     assert row_threads() == 1
     assert SPLIT_MIN_ROWS >= 8  # a hand-off per part must be worth it
+
+
+@pytest.mark.parametrize("m", [16, 48, 64, 40])
+def test_panel_layout_gives_the_same_bits(m):
+    """:class:`IntMap` keeps its weights in 32-column panels (:func:`block_weights`); the kernel
+    gives the same bits from either layout, on the one-accumulator and the chunked paths."""
+    rng = np.random.default_rng(m)
+    S, n, K = 2, 21, 300
+    wq = rng.integers(-im.WQ_MAX, im.WQ_MAX + 1, (S, m, K)).astype(np.int16)
+    wp = im.pack_weights(wq)
+    wb = im.block_weights(wp)
+    assert wb.shape == (S, -(-m // 32), (K + 1) // 2, 32, 2)
+    assert (im.unblock_weights(wb, m) == wp).all()
+    we = rng.integers(-20, 0, (S, m)).astype(np.int32)
+    for big in (False, True):    # big: every row's sum |xq| above L1_ONE_CHUNK (the chunked path)
+        lim = im.XQ_MAX if big else 300
+        xq = rng.integers(-lim, lim + 1, (S, n, 2 * wp.shape[1])).astype(np.int16)
+        xe = rng.integers(-20, 0, (S, n)).astype(np.int32)
+        ref = im.reference_predict(xq, xe, wq, we)
+        for w in (wp, wb):
+            out = im.map_predict(xq, xe, w, we)
+            assert (out.view(np.uint32) == ref.view(np.uint32)).all()
+    with pytest.raises(ValueError, match="inconsistent"):
+        im.map_predict(xq, xe, wb[:, :, :-1].copy(), we)
