@@ -339,3 +339,9 @@ def test_panel_layout_gives_the_same_bits(m):
             assert (out.view(np.uint32) == ref.view(np.uint32)).all()
     with pytest.raises(ValueError, match="inconsistent"):
         im.map_predict(xq, xe, wb[:, :, :-1].copy(), we)
+
+
+def test_panels_start_on_a_cache_line():
+    for m in (16, 256):
+        wb = im.block_weights(im.pack_weights(np.ones((3, m, 256), np.int16)))
+        assert wb.ctypes.data % 64 == 0 and wb.flags.c_contiguous and (wb.reshape(-1)[:8] == 1).all()
