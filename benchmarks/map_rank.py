@@ -45,15 +45,11 @@ import statistics
 import time
 
 from .harness import (
-    CALIB_DIR,
     RESULTS,
-    caches_in,
     command_line,
     display_path,
-    eval_caches,
     limit_threads,
     parser,
-    stem,
     write_json,
     write_text,
 )
@@ -303,18 +299,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args(argv)
     limit_threads(1)
-    from alignpred import KvzError, compress_bytes, fit_bank, load_cache
+    from alignpred import compress_bytes, fit_bank
 
-    calib = a.calib or caches_in(CALIB_DIR)
-    evals = a.eval or eval_caches()
-    if not calib or not evals:
-        ap.error("needs calibration and evaluation caches: python samples/make_samples.py --what calib "
-                 "(and --what eval), or pass --calib/--eval")
-    try:
-        cal = [load_cache(p) for p in calib]
-        ev = [(stem(p), load_cache(p)) for p in evals]
-    except KvzError as e:
-        ap.error(str(e))
+    from .map_sources import calib_and_eval
+
+    calib, cal, ev = calib_and_eval(ap, a)
     lay = ev[0][1].layout
     per_token = lay.n_values // lay.n_tokens
     t0 = time.perf_counter()

@@ -38,6 +38,23 @@ from .harness import (
 )
 
 
+def calib_and_eval(ap, a) -> tuple[list, list, list]:
+    """``(calibration paths, their caches, [(name, cache)] to evaluate)`` of ``--calib`` /
+    ``--eval`` (default: ``data/calib``, ``data/eval``), or ``ap.error`` naming how to make them."""
+    from alignpred import KvzError, load_cache
+
+    calib = a.calib or caches_in(CALIB_DIR)
+    evals = a.eval or eval_caches()
+    if not calib or not evals:
+        ap.error("needs calibration and evaluation caches: python samples/make_samples.py --what calib "
+                 "(and --what eval), or pass --calib/--eval")
+    try:
+        return calib, [load_cache(p) for p in calib], [(stem(p), load_cache(p)) for p in evals]
+    except KvzError as e:
+        ap.error(str(e))
+        raise
+
+
 def variants(layout) -> dict[str, dict[str, list[str]]]:
     """Source sets per variant (one head per layer is all Gemma 3 270M has; earlier heads of the
     layer, which the default also uses for multi-head models, are kept as they are)."""
@@ -73,18 +90,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--eps", type=float, default=0.0267)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args(argv)
-    from alignpred import KvzError, KvzReader, compress_bytes, fit_bank, load_cache
+    from alignpred import KvzReader, compress_bytes, fit_bank
 
-    calib = a.calib or caches_in(CALIB_DIR)
-    evals = a.eval or eval_caches()
-    if not calib or not evals:
-        ap.error("needs calibration and evaluation caches: python samples/make_samples.py --what calib "
-                 "(and --what eval), or pass --calib/--eval")
-    try:
-        cal = [load_cache(p) for p in calib]
-        ev = [(stem(p), load_cache(p)) for p in evals]
-    except KvzError as e:
-        ap.error(str(e))
+    calib, cal, ev = calib_and_eval(ap, a)
     lay = ev[0][1].layout
     rows = []
     for name, src in variants(cal[0].layout).items():
@@ -119,7 +127,7 @@ def main(argv=None) -> dict:
            "calib": [display_path(p) for p in calib], "eval": [n for n, _ in ev],
            "repeats": a.repeats, "threads": 1, "rows": rows}
     lines = ["# Map sources: bits vs decode multiply-adds", "",
-             f"`{res['command'].strip()}` — {res['created']}; banks fitted on {len(calib)} calibration caches, "
+             f"`{res['command'].strip()}` — {res['created']}; banks fitted on {len(cal)} calibration caches, "
              f"{len(ev)} evaluation caches at eps {a.eps} (tensor scope); one-thread read(), median of "
              f"{a.repeats} interleaved rounds.", "",
              "| variant | MAC/value | bpv (mean) | Δbpv vs default | decode M values/s | vs default |",
