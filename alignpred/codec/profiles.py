@@ -5,15 +5,16 @@ A profile is a choice of entropy coder and predictors, applied on top of a
 search does not change), so they differ only in bits and decode time. The file records the coder
 and the config as always, so a reader needs nothing else: a profile never appears in a header.
 
-==========  =================  ============  ===================================================
-profile     entropy coder      linear maps   measured (Gemma 3 270M, 8 held-out caches, eps 0.0267,
-                                             tensor scope, one thread; ``python -m
-                                             kvz.benchmarks.speed``, see ``benchmarks/results``)
-==========  =================  ============  ===================================================
-default     ``rans4``          yes           the fewest bits
-balanced    ``lanes32`` (1.2)  yes           about +0.05 bit/value, decode about 1.25x default
-fast        ``lanes32`` (1.2)  no            about +0.8 bit/value, decode about 3.4x default
-==========  =================  ============  ===================================================
+==========  =================  ============  ==========================================
+profile     entropy coder      linear maps   measured: bits/value, one-core decode
+==========  =================  ============  ==========================================
+default     ``rans4``          yes           3.837, 73.7 M values/s
+balanced    ``lanes32`` (1.2)  yes           3.886 (+0.050), 91.8 M values/s (1.25x)
+fast        ``lanes32`` (1.2)  no            4.623 (+0.786), 239.9 M values/s (3.26x)
+==========  =================  ============  ==========================================
+
+Measured by ``python -m kvz.benchmarks.speed`` (``benchmarks/results/speed.md``): Gemma 3 270M,
+8 held-out 2,048-token caches, eps 0.0267, tensor scope, one core of an Intel Xeon with AVX-512.
 
 ``lanes32`` (format 1.2) decodes 32 lanes in lock-step with SIMD gathers; its 12-bit tables and
 per-lane states cost the ~0.05 bit. Without linear maps (the cross-layer and K->V predictors, 612
