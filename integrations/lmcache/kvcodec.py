@@ -101,7 +101,9 @@ class KvzChunkCodec:
     :func:`alignpred.compress`; ``lossless`` adds the exact tier (bit-exact decode).
     ``cache_metadata``: the model fields (see :func:`model_metadata`). ``position``: what to do when
     the caller gives no position — ``"search"`` (default: :func:`find_position_offset` over
-    ``search_step``-aligned offsets below ``max_positions``) or ``"zero"``.
+    ``search_step``-aligned offsets below ``max_positions``) or ``"zero"``. ``profile``:
+    ``default``, ``balanced`` or ``fast`` (:mod:`alignpred.codec.profiles`: fewer bits, or a faster
+    page-in at more bits).
     """
 
     bank: object = "gemma-3-270m"
@@ -113,6 +115,7 @@ class KvzChunkCodec:
     search_step: int | None = None
     max_positions: int = 8192
     threads: int | None = 1
+    profile: str = "default"
     stats: dict = field(default_factory=lambda: {"encoded": 0, "decoded": 0, "searched": 0,
                                                  "encode_s": 0.0, "decode_s": 0.0, "search_s": 0.0,
                                                  "raw_bytes": 0, "stored_bytes": 0})
@@ -126,6 +129,10 @@ class KvzChunkCodec:
         if not (self.eps > 0):
             raise ValueError(f"kvz eps must be positive, got {self.eps}")
         self.cache_metadata = model_metadata(self.cache_metadata or {})
+        from alignpred.codec import PROFILES
+
+        if self.profile not in PROFILES:
+            raise ValueError(f"kvz profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
 
     # ------------------------------------------------------------------ encode
     def tensors(self, pairs) -> dict:
@@ -167,7 +174,7 @@ class KvzChunkCodec:
             meta.update({str(k): (v if isinstance(v, str) else json.dumps(v)) for k, v in extra.items()})
         t0 = time.perf_counter()
         info = compress(Cache.from_arrays(tensors, meta), None, eps=self.eps, bank=self.bank, scope=self.scope,
-                        lossless=self.lossless, threads=self.threads)
+                        lossless=self.lossless, threads=self.threads, profile=self.profile)
         self.stats["encode_s"] += time.perf_counter() - t0
         self.stats["encoded"] += 1
         self.stats["raw_bytes"] += sum(a.nbytes for a in tensors.values())
@@ -249,7 +256,7 @@ class KvzChunkCodec:
 def codec_from_options(opts: dict, *, default_step: int | None = None) -> KvzChunkCodec:
     """A :class:`KvzChunkCodec` from an engine's string options (``bank``, ``eps``, ``scope``,
     ``lossless``, ``metadata`` (dict or JSON) or ``metadata_from`` (a kvz-cache file), ``position``,
-    ``search_step``, ``max_positions``, ``threads``), with the adapters' defaults."""
+    ``search_step``, ``max_positions``, ``threads``, ``profile``), with the adapters' defaults."""
     meta = opts.get("metadata")
     if meta is None and opts.get("metadata_from"):
         meta = metadata_from_file(opts["metadata_from"])
@@ -262,4 +269,5 @@ def codec_from_options(opts: dict, *, default_step: int | None = None) -> KvzChu
                          cache_metadata=model_metadata(meta), position=str(opts.get("position", "search")),
                          search_step=int(opts.get("search_step", default_step or 1)),
                          max_positions=int(opts.get("max_positions", 8192)),
-                         threads=None if threads in (None, "auto") else int(threads))
+                         threads=None if threads in (None, "auto") else int(threads),
+                         profile=str(opts.get("profile", "default")))

@@ -10,7 +10,8 @@ SGLang loads it as the ``dynamic`` backend::
         "kvz_metadata_from": "/path/cache.safetensors", "interface_v1": 1}'
 
 ``kvz_url``: ``redis://...`` or a directory (``file://`` optional); ``kvz_max_size_gb``: a byte budget
-(LRU); ``kvz_lossless``: bit-exact pages; ``kvz_metadata`` (JSON model fields) or
+(LRU); ``kvz_lossless``: bit-exact pages; ``kvz_profile``: ``default``, ``balanced`` or ``fast``
+(a faster page-in at more bits); ``kvz_metadata`` (JSON model fields) or
 ``kvz_metadata_from`` (a kvz-cache file) give the model's RoPE; ``kvz_position``: ``search`` (default)
 or ``zero`` for callers without a position.
 
