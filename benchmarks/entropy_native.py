@@ -70,7 +70,7 @@ def build(folder: str, extra=(), source: str = SOURCE) -> str:
                                 "(install gcc, e.g. `apt-get install gcc`)")
     if not os.path.exists(source):
         raise NativeUnavailable(f"C source {os.path.basename(source)} missing (not an editable install?)")
-    stem = os.path.splitext(os.path.basename(source))[0].replace("_avx2", "")
+    stem = os.path.splitext(os.path.basename(source))[0]
     so = os.path.join(folder, f"{stem}{''.join(extra).replace('-', '_')}.so")
     r = subprocess.run([gcc, *CFLAGS, *extra, "-o", so, source], capture_output=True, text=True)
     if r.returncode != 0:

@@ -147,7 +147,7 @@ def speed_child(reps: int) -> dict:
 
         t = _interleaved({
             "numpy_float32_matmul": blas,
-            "int_kernel_map_predict": lambda: map_predict(xq, xe, M.wp, M.w_exp, buf),
+            "int_kernel_map_predict": lambda: map_predict(xq, xe, M.panels, M.w_exp, buf),
             "quantize_rows_all_sources": lambda: M.quantize(xs, xq),
             "intmap_predict_total": lambda: M.predict(xs, buf),
         }, reps, 20)

@@ -362,7 +362,8 @@ def map_predict(xq: np.ndarray, x_exp: np.ndarray, wp: np.ndarray, w_exp: np.nda
 
     ``xq int16 [S, n, d_pad]`` (C-contiguous; source ``s`` from :func:`quantize_rows` with that
     source's shift), ``x_exp int32 [S, n]``, ``wp`` from :func:`pack_weights` (``[S, d_pad/2,
-    d_out_pad, 2]``) or :func:`block_weights` (``[S, panels, d_pad/2, 32, 2]``), ``w_exp int32
+    d_out_pad, 2]``, converted at each call) or :func:`block_weights` (``[S, panels, d_pad/2, 32,
+    2]``, what the kernel reads: :attr:`IntMap.panels`), ``w_exp int32
     [S, d_out]``.  ``out``: float32 ``[n, d_out]`` with unit column stride and any row stride
     (e.g. a row slice of a larger array); allocated if None.
     Returns ``out``: ``float32(sum_s float64(xq_s @ wq_s.T) * 2**(x_exp_s[t] + w_exp_s[j]))``,
@@ -371,12 +372,13 @@ def map_predict(xq: np.ndarray, x_exp: np.ndarray, wp: np.ndarray, w_exp: np.nda
     """
     S, n, K2 = xq.shape
     m = w_exp.shape[1] if n_out is None else n_out
-    blocked = wp.ndim == 5
-    KP, mp = (wp.shape[2], wp.shape[1] * 32) if blocked else (wp.shape[1], wp.shape[2])
-    if wp.shape[0] != S or 2 * KP != K2 or x_exp.shape != (S, n) or mp < m or (blocked and wp.shape[3:] != (32, 2)):
-        raise ValueError("map_predict: inconsistent shapes")
     if not (xq.dtype == np.int16 and wp.dtype == np.int16 and xq.flags.c_contiguous and wp.flags.c_contiguous):
         raise TypeError("map_predict: xq and wp must be C-contiguous int16")
+    if wp.ndim == 4:  # pack_weights' layout: the kernel reads panels
+        wp = block_weights(wp)
+    if (wp.ndim != 5 or wp.shape[0] != S or 2 * wp.shape[2] != K2 or x_exp.shape != (S, n)
+            or wp.shape[1] * 32 < m or wp.shape[3:] != (32, 2)):
+        raise ValueError("map_predict: inconsistent shapes")
     if out is None:
         out = np.empty((n, m), np.float32)
     elif out.shape != (n, m) or out.dtype != np.float32:
@@ -387,7 +389,7 @@ def map_predict(xq: np.ndarray, x_exp: np.ndarray, wp: np.ndarray, w_exp: np.nda
     we = np.ascontiguousarray(w_exp, np.int32)
     if we.shape[1] < target.shape[1]:
         we = np.concatenate([we, np.zeros((S, target.shape[1] - we.shape[1]), np.int32)], axis=1)
-    _map_predict(xq, np.ascontiguousarray(x_exp, np.int32), wp.reshape(-1), KP, mp, blocked, we, target)
+    _map_predict(xq, np.ascontiguousarray(x_exp, np.int32), wp, we, target)
     if target is not out:
         out[:] = target[:, :m]
     return out
@@ -424,6 +426,11 @@ class IntMap:
                     self._args = None
         assert r is not None
         return r
+
+    @property
+    def panels(self) -> np.ndarray:
+        """The integer weights as the kernel reads them (:func:`block_weights`; not a copy)."""
+        return self._prepared()[0]
 
     @property
     def wp(self) -> np.ndarray:

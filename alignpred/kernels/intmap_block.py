@@ -206,7 +206,7 @@ _blk_one = _make_block(1, 1)
 
 def block_weights(wp: np.ndarray) -> np.ndarray:
     """The kernel layout ``[S, KP, mp, 2]`` (:func:`pack_weights`) -> the panel layout
-    ``[S, mp32/32, KP, 32, 2]`` (columns padded with zeros to ``mp32``, a multiple of 32) that
+    ``[S, mp32/32, KP, 32, 2]`` (``COL_BLK = 32``; columns padded with zeros to ``mp32``, a multiple of 32) that
     :class:`IntMap` keeps: the micro-kernel reads each 32-column panel contiguously along the
     channel pairs (one stream instead of one 128-byte row per KiB), every row of a panel on its
     own two cache lines (the array starts on a 64-byte boundary).  The integers, and so the
@@ -251,15 +251,16 @@ def _row_l1(xq, K2):
 
 
 @njit(cache=True, nogil=True)
-def _map_predict(xq, x_exp, wf, KP, mp, blocked, w_exp, out):
-    """xq int16 [S, n, 2KP]; x_exp int32 [S, n]; wf: the flat int16 weights, ``[S, KP, mp, 2]``
-    (:func:`~alignpred.kernels.intmap.pack_weights`) or, ``blocked``, ``[S, mp/32, KP, 32, 2]``
-    (every 32-column panel contiguous along the channel pairs, so the micro-kernel streams it;
-    ``mp % 32 == 0``); w_exp int32 [S, >= m]; out float32 [n, m] (unit column stride), m <= mp,
-    m % 16 == 0."""
+def _map_predict(xq, x_exp, wb, w_exp, out):
+    """xq int16 [S, n, 2KP]; x_exp int32 [S, n]; wb int16 [S, mp/32, KP, 32, 2] (the panels of
+    :func:`block_weights`); w_exp int32 [S, >= m]; out float32 [n, m] (unit column stride),
+    m <= mp, m % 16 == 0."""
     S, n, K2 = xq.shape
+    KP = wb.shape[2]
+    mp = wb.shape[1] * COL_BLK
     m = out.shape[1]
     xf = xq.ravel()
+    wf = wb.ravel()
     tmp = np.empty(R_BLK * COL_BLK, np.float64)
     y = np.empty(R_BLK * COL_BLK, np.float64)
     cs = np.zeros(S * mp, np.float64)
@@ -275,7 +276,7 @@ def _map_predict(xq, x_exp, wf, KP, mp, blocked, w_exp, out):
         return
     mfull = m - m % COL_BLK
     ncb = mp // COL_BLK
-    wstride = 2 * COL_BLK if blocked else 2 * mp
+    wstride = 2 * COL_BLK    # one channel pair of a panel
     l1 = _row_l1(xq, K2)
     one_chunk = np.zeros(S, np.bool_)
     for t0 in range(0, n, R_BLK):
@@ -311,10 +312,8 @@ def _map_predict(xq, x_exp, wf, KP, mp, blocked, w_exp, out):
                             fl |= _YFIRST
                         if s == S - 1:
                             fl |= _FINAL
-                    if blocked:   # j0 % COL_BLK == 0 on both paths (the leftover 16 columns start a panel)
-                        woff = ((s * ncb + j0 // COL_BLK) * KP + kp0) * 2 * COL_BLK
-                    else:
-                        woff = ((s * KP + kp0) * mp + j0) * 2
+                    # j0 % COL_BLK == 0 on both paths (the leftover 16 columns start a panel)
+                    woff = ((s * ncb + j0 // COL_BLK) * KP + kp0) * 2 * COL_BLK
                     if full_rows:
                         if wide:
                             _blk_full(xf, (s * n + t0) * K2 + 2 * kp0, K2, wf, woff, wstride, nk, tmp, fl,

@@ -52,7 +52,7 @@ def map_shapes(layout, bank) -> list[tuple[int, int, int, int]]:
         for w, n_src in ((u, len(srcs)), (vt, 1)):
             if w is not None:
                 m = IntMap(np.asarray(w, np.float32), n_src)
-                shapes.append((n_src, layout.n_tokens, 2 * m.wp.shape[1], -(-m.d_out // 16) * 16))
+                shapes.append((n_src, layout.n_tokens, 2 * m.panels.shape[2], -(-m.d_out // 16) * 16))
     return shapes
 
 
