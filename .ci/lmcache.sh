@@ -32,6 +32,6 @@ with tarfile.open(fileobj=io.BytesIO(data)) as t:
                  filter="data")
 PY
 fi
-export KVZ_LMCACHE_TESTS="$SRC/lmcache-0.5.6" KVZ_REQUIRE_LMCACHE_SUITE=1
+export KVZ_LMCACHE_TESTS="$SRC/lmcache-0.5.6" KVZ_REQUIRE_LMCACHE_SUITE=1 KVZ_REQUIRE_ENGINE=lmcache
 
 OPENBLAS_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/lmcache_engine

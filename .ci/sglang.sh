@@ -21,4 +21,4 @@ $PIP install -q -c "$VENV/kvz-constraints.txt" orjson==3.13.0 psutil==7.2.2 pyba
 $PIP install -q -c "$VENV/kvz-constraints.txt" -e ".[store,test]"
 check_torch "$VENV"
 
-OPENBLAS_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/sglang_engine
+KVZ_REQUIRE_ENGINE=sglang OPENBLAS_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/sglang_engine

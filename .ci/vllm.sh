@@ -34,7 +34,7 @@ PYEOF
 MODEL_DIR="${KVZ_VLLM_MODEL_DIR:-$HOME/.cache/kvz/gemma3-hf}"
 (cd /tmp && "$PY" -m kvz.integrations.vllm.convert "$MODEL_DIR")
 export KVZ_VLLM_MODEL_DIR="$MODEL_DIR"
-export KVZ_REQUIRE_REDIS=1
+export KVZ_REQUIRE_REDIS=1 KVZ_REQUIRE_ENGINE=vllm
 
 # Compile kvz's numba kernels once (they are cached on disk), so the five engine processes of the
 # tests do not each compile them (minutes on a small machine).

@@ -1,14 +1,31 @@
 """Fixtures of the LMCache adapter tests. They run against the real LMCache package (``.ci/lmcache.sh``
 builds its venv); where LMCache is not importable (the main test venv) every test module here skips itself
-(``pytest.importorskip``). Not named conftest.py: several runtimes' test folders would clash on that name."""
+(``require_lmcache``). Not named conftest.py: several runtimes' test folders would clash on that name."""
 import importlib.util
 import os
+import sys
 import warnings
 
 import numpy as np
 import pytest
 
 HAVE_LMCACHE = importlib.util.find_spec("lmcache") is not None and importlib.util.find_spec("torch") is not None
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import engine_gate  # noqa: E402
+
+# What the adapter and its tests import from LMCache: an LMCache installed without its dependencies
+# (aiofile, msgspec, ...) fails on these, and the tests skip instead of failing (engine_gate).
+LMCACHE_MODULES = ("torch", "lmcache.utils", "lmcache.v1.cache_engine", "lmcache.v1.storage_backend.storage_manager",
+                   "lmcache.v1.distributed.storage_manager", "lmcache.v1.distributed.serde.async_processor",
+                   "lmcache.v1.distributed.l2_adapters.mock_l2_adapter",
+                   "lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
+
+
+def require_lmcache() -> None:
+    """Skip the calling test module unless LMCache imports completely (fail under ``.ci/lmcache.sh``)."""
+    engine_gate.require("lmcache", LMCACHE_MODULES)
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")

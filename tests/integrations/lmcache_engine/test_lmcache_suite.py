@@ -38,9 +38,11 @@ import sys
 
 import pytest
 
-pytest.importorskip("lmcache")
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lmcache_testlib  # noqa: E402
+
+lmcache_testlib.require_lmcache()
+
 from lmcache_testlib import kvz_extra, lm_config, lm_metadata  # noqa: E402
 
 SUITE = os.environ.get("KVZ_LMCACHE_TESTS")

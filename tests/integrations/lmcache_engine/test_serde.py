@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-pytest.importorskip("lmcache")
-import torch  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lmcache_testlib  # noqa: E402
+
+lmcache_testlib.require_lmcache()
+import torch  # noqa: E402
 from lmcache_testlib import EPS, SAMPLE, D, H, L, chunk_errors, redis_server, sample  # noqa: E402,F401,F811
 
 KW = {"eps": EPS, "bank": "gemma-3-270m", "metadata_from": SAMPLE, "chunk_size": 64}

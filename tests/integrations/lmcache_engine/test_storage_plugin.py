@@ -7,10 +7,11 @@ import warnings
 
 import pytest
 
-pytest.importorskip("lmcache")
-import torch  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lmcache_testlib  # noqa: E402
+
+lmcache_testlib.require_lmcache()
+import torch  # noqa: E402
 from lmcache_testlib import EPS, D, H, L, chunk_errors, kvz_extra, lm_config, lm_metadata, redis_server, sample  # noqa: E402,F401,F811
 
 PLUGIN = {"storage_plugin.kvz.module_path": "kvz.integrations.lmcache",

