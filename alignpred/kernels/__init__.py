@@ -1,6 +1,8 @@
 """Compiled kernels (numba), each next to the numpy reference it must equal bit for bit.
 
-* :mod:`~alignpred.kernels.intmap` — exact integer map products (``map_predict``; ``reference_predict``);
+* :mod:`~alignpred.kernels.intmap` — exact integer map products (``map_predict``; ``reference_predict``),
+  on Intel AMX tiles where the CPU has them (:mod:`~alignpred.kernels.intmap_amx`, the same bits;
+  ``KVZ_AMX=0`` turns it off);
 * :mod:`~alignpred.kernels.fused` — the decoder's fused post-pass (``fused_post``; ``reference_post``);
 * :mod:`~alignpred.kernels.quantize` — lattice quantisation and entropy estimates
   (reference: :mod:`~alignpred.kernels.quantize_ref`).
@@ -18,6 +20,7 @@ from alignpred.kernels.intmap import (
                                       quantize_weights,
                                       reference_predict,
 )
+from alignpred.kernels.intmap_amx import amx_enabled
 from alignpred.kernels.intmap_block import BW, BX, COL_BLK, K_CHUNK, R_BLK, WQ_MAX, XQ_MAX
 from alignpred.kernels.intmap_block import _map_predict as map_predict_kernel
 from alignpred.kernels.quantize import candidate_bits, column_entropy_bits, dequant_add, quantize
@@ -32,7 +35,7 @@ from alignpred.kernels.quantize_ref import (
 INTMAP_TILING = {"BX": BX, "BW": BW, "XQ_MAX": XQ_MAX, "WQ_MAX": WQ_MAX, "K_CHUNK": K_CHUNK,
                  "block": [R_BLK, COL_BLK]}
 
-__all__ = ["map_predict_kernel", "INTMAP_TILING", "IntMap", "channel_shifts", "map_predict", "pack_weights",
+__all__ = ["amx_enabled", "map_predict_kernel", "INTMAP_TILING", "IntMap", "channel_shifts", "map_predict", "pack_weights",
            "prepare_weights", "quantize_rows", "quantize_weights", "reference_predict", "fused_post",
            "reference_post", "candidate_bits", "column_entropy_bits", "dequant_add", "quantize",
            "channel_entropy_bits", "dequantize_residual", "interp_prediction", "quantize_residual"]
