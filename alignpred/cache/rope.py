@@ -216,9 +216,17 @@ class RopeTable:
         off = start - ks[0] * _BLOCK
         if len(blocks) == 1:
             return blocks[0][0][off:off + n], blocks[0][1][off:off + n]
-        cos = np.concatenate([b[0] for b in blocks])
-        sin = np.concatenate([b[1] for b in blocks])
-        return cos[off:off + n], sin[off:off + n]
+        key = (self, start, n)
+        hit = _RANGES.get(key)   # a decode asks each layer sharing this table for the same range
+        if hit is not None and all(a[0] is b[0] and a[1] is b[1] for a, b in zip(hit[2], blocks)):
+            return hit[0], hit[1]
+        cos = np.concatenate([b[0] for b in blocks])[off:off + n]
+        sin = np.concatenate([b[1] for b in blocks])[off:off + n]
+        with _CACHE._lock:
+            while len(_RANGES) >= _RANGE_SLOTS:
+                _RANGES.pop(next(iter(_RANGES)))
+            _RANGES[key] = (cos, sin, blocks)
+        return cos, sin
 
     def apply(self, x: np.ndarray, start: int, inverse: bool = False) -> np.ndarray:
         """Rotate rows ``x[..., n, d]`` (positions ``start ..``) forward (RoPE as the model
@@ -336,6 +344,10 @@ class _BlockCache:
 
 
 _CACHE = _BlockCache(64 << 20)
+# the last few multi-block ranges, joined (key (table, start, n) -> (cos, sin, the blocks joined)):
+# valid while the cache still holds those very blocks
+_RANGE_SLOTS = 4
+_RANGES: dict = {}
 
 
 def set_table_cache_bytes(max_bytes: int) -> None:
@@ -344,6 +356,7 @@ def set_table_cache_bytes(max_bytes: int) -> None:
         raise ValueError("max_bytes must be >= 0")
     with _CACHE._lock:
         _CACHE.max_bytes = int(max_bytes)
+        _RANGES.clear()
     _CACHE.clear()
 
 

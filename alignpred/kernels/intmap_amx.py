@@ -21,6 +21,11 @@ reference's: AMX changes speed, never the bits.
 The kernel is numba code around LLVM's explicit-tile AMX intrinsics (``llvm.x86.tileloadd64``,
 ``tdpb*d``, ``tilestored64``; tiles 0-2 the accumulators, 3-4 the two byte planes of 16 source
 rows, 5-6 the two planes of 64 channels x 16 columns of weights in AMX's 4-byte-group layout).
+One item (16 rows x 16 columns) takes every source's tile products, and its epilogue sums the
+sources in order in registers and stores float32 once.  :meth:`IntMap.predict
+<alignpred.kernels.intmap.IntMap.predict>` quantises the sources straight into the byte planes
+(:func:`predict_amx`, the int16 rows' integers without writing them), in chunks of rows whose
+planes stay in L2; the planes live in a per-thread scratch reused across calls.
 It runs only where all of these hold, else the vector kernel does (:func:`amx_enabled`):
 
 * the CPU numba compiles for has ``amx-tile`` and ``amx-int8`` (forcing another target with
@@ -52,6 +57,7 @@ from alignpred.kernels.intmap_block import (
     aligned_empty,
     unblock_weights,
 )
+from alignpred.kernels.intmap_rows import _quantize_row
 
 AMX_K_MAX = 33024                # channels per source: 65025 * K < 2**31
 _I8 = ir.IntType(8)
@@ -220,67 +226,116 @@ def amx_enabled() -> bool:
 # the kernel
 
 
-@njit(cache=True, nogil=True)
-def _split(xq, xh, xl):
-    """``xq int16 [S, n, K2]`` into byte planes ``xh int8 / xl uint8 [S, >= n, >= K2]`` (the
-    padding left as it is: zeros): ``xq = 256 xh + xl``."""
-    S, n, K2 = xq.shape
-    for s in range(S):
-        for t in range(n):
-            for k in range(K2):
-                v = xq[s, t, k]
-                xh[s, t, k] = np.int8(v >> np.int16(8))
-                xl[s, t, k] = np.uint8(v & np.int16(255))
+_V32H = ir.VectorType(ir.IntType(16), 32)
+_V32B = ir.VectorType(_I8, 32)
 
 
 @intrinsic
-def _epilogue_row(typingctx, acc, ai, cs, ci, rsv, y, yi):
-    """One row of 16 outputs: ``y[yi + c] += float64(65536 hh + 256 mid + ll) * (cs[ci + c] * rsv)``
-    with ``hh, mid, ll = acc[ai + c], acc[ai + 256 + c], acc[ai + 512 + c]`` (the three tiles, flat
-    int32).  ``65536 hh + 256 mid + ll`` is formed in float64 exactly (integers below 2**53)."""
-    sig = types.void(acc, ai, cs, ci, rsv, y, yi)
+def _split32(typingctx, xf, i, xh, xl, o):
+    """``xh[o + c] = int8(xf[i + c] >> 8)``, ``xl[o + c] = uint8(xf[i + c] & 255)`` for ``c < 32``."""
+    sig = types.void(xf, i, xh, xl, o)
 
     def codegen(context, builder, sig, args):
-        acc, ai, cs, ci, rsv, y, yi = args
+        xf, i, xh, xl, o = args
+        ta = sig.args
+        xd = context.make_array(ta[0])(context, builder, xf).data
+        v = _vload(builder, builder.gep(xd, [i]), _V32H, 2)
+        hi = builder.trunc(builder.ashr(v, ir.Constant(_V32H, [8] * 32)), _V32B)
+        lo = builder.trunc(v, _V32B)
+        for arr, ty, val in ((xh, ta[2], hi), (xl, ta[3], lo)):
+            _vstore(builder, val, builder.gep(context.make_array(ty)(context, builder, arr).data, [o]), 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _split_row(qr, K2, xh, xl, o):
+    """``qr`` int16 [>= K2] into the planes at ``xh[o:o + K2]``, ``xl[o:o + K2]``: ``qr = 256 xh + xl``."""
+    k32 = K2 // 32 * 32
+    for k in range(0, k32, 32):
+        _split32(qr, np.int64(k), xh, xl, np.int64(o + k))
+    for k in range(k32, K2):
+        v = qr[k]
+        xh[o + k] = np.int8(v >> np.int16(8))
+        xl[o + k] = np.uint8(v & np.int16(255))
+
+
+@njit(cache=True, nogil=True)
+def _split(xq, xh, xl):
+    """``xq int16 [S, n, K2]`` into the flat byte planes ``xh int8 / xl uint8 [S, ceil16(n), ceil64(K2)]``
+    (the padding not written: it meets zero weights or rows never read, see :func:`_products`)."""
+    S, n, K2 = xq.shape
+    K64 = -(-K2 // 64) * 64
+    n16 = -(-n // 16) * 16
+    for s in range(S):
+        for t in range(n):
+            _split_row(xq[s, t], K2, xh, xl, (s * n16 + t) * K64)
+
+
+@njit(cache=True, nogil=True)
+def _quantize_planes(x, pscale, p32, smin, smax, s, row, xh, xl, x_exp):
+    """Source ``s``'s rows ``x float32 [n, d]`` quantised (:func:`~alignpred.kernels.intmap_rows._quantize_row`,
+    the vector kernel's integers) straight into the flat byte planes ``[S, ceil16(n), K64]``
+    (``row``: int16 scratch [K2]); exponents into ``x_exp[s]``."""
+    n = x.shape[0]
+    K2 = row.shape[0]
+    K64 = -(-K2 // 64) * 64
+    n16 = -(-n // 16) * 16
+    for t in range(n):
+        x_exp[s, t] = _quantize_row(x[t], pscale, p32, smin, smax, row)
+        _split_row(row, K2, xh, xl, (s * n16 + t) * K64)
+
+
+@intrinsic
+def _epilogue_row(typingctx, acc, ai, cs, ci, cstride, rs, ri, rstride, nsrc, out, row, col):
+    """One row of 16 outputs, every source:
+    ``out[row, col + c] = float32(sum_s float64(65536 hh + 256 mid + ll) * (cs[ci + s cstride + c] *
+    rs[ri + s rstride]))``, the sum from +0.0 in source order, with ``hh, mid, ll`` source ``s``'s
+    three tiles at ``acc[ai + 1024 s + 256 i + c]`` (flat int32).  ``65536 hh + 256 mid + ll`` is
+    an integer below 2**53, so forming it with FMAs is exact; the scaling, each addition and the
+    float32 conversion are the vector kernel's roundings, in its order."""
+    sig = types.void(acc, ai, cs, ci, cstride, rs, ri, rstride, nsrc, out, row, col)
+
+    def codegen(context, builder, sig, args):
+        acc, ai, cs, ci, cstride, rs, ri, rstride, nsrc, out, row, col = args
         ta = sig.args
         ad = context.make_array(ta[0])(context, builder, acc).data
         cd = context.make_array(ta[2])(context, builder, cs).data
-        yd = context.make_array(ta[5])(context, builder, y).data
-        parts = [builder.sitofp(_vload(builder, builder.gep(ad, [builder.add(ai, _I64(256 * i))]), _V16I, 4), _V16D)
-                 for i in range(3)]
-        v = builder.fadd(builder.fadd(builder.fmul(parts[0], ir.Constant(_V16D, [65536.0] * 16)),
-                                      builder.fmul(parts[1], ir.Constant(_V16D, [256.0] * 16))), parts[2])
-        scale = builder.fmul(_vload(builder, builder.gep(cd, [ci]), _V16D, 8), _splat(builder, rsv, _V16D))
-        yp = builder.gep(yd, [yi])
-        _vstore(builder, builder.fadd(_vload(builder, yp, _V16D, 8), builder.fmul(v, scale)), yp, 8)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _store_row(typingctx, y, yi, out, row, col):
-    """``out[row, col : col + 16] = float32(y[yi : yi + 16])`` (``out`` float32 2-D, unit column stride)."""
-    sig = types.void(y, yi, out, row, col)
-
-    def codegen(context, builder, sig, args):
-        y, yi, out, row, col = args
-        yd = context.make_array(sig.args[0])(context, builder, y).data
-        oarr = context.make_array(sig.args[2])(context, builder, out)
+        rd = context.make_array(ta[5])(context, builder, rs).data
+        oarr = context.make_array(ta[9])(context, builder, out)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16D, [_V16D] * 3), "llvm.fma.v16f64")
+        yp = cgutils.alloca_once_value(builder, ir.Constant(_V16D, [0.0] * 16))
+        with cgutils.for_range(builder, nsrc) as loop:
+            s = loop.index
+            a0 = builder.add(ai, builder.mul(s, _I64(1024)))
+            hh, mid, ll = (builder.sitofp(_vload(builder, builder.gep(ad, [builder.add(a0, _I64(256 * i))]), _V16I, 4),
+                                          _V16D) for i in range(3))
+            v = builder.call(fma, [hh, ir.Constant(_V16D, [65536.0] * 16),
+                                   builder.call(fma, [mid, ir.Constant(_V16D, [256.0] * 16), ll])])
+            c = _vload(builder, builder.gep(cd, [builder.add(ci, builder.mul(s, cstride))]), _V16D, 8)
+            r = builder.load(builder.gep(rd, [builder.add(ri, builder.mul(s, rstride))]))
+            builder.store(builder.fadd(builder.load(yp), builder.fmul(v, builder.fmul(c, _splat(builder, r, _V16D)))),
+                          yp)
         od = builder.bitcast(oarr.data, _P8)
         ostride0 = cgutils.unpack_tuple(builder, oarr.strides, 2)[0]
         p = builder.gep(od, [builder.add(builder.mul(row, ostride0), builder.mul(col, _I64(4)))])
-        _vstore(builder, builder.fptrunc(_vload(builder, builder.gep(yd, [yi]), _V16D, 8), _V16F), p, 4)
+        _vstore(builder, builder.fptrunc(builder.load(yp), _V16F), p, 4)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @njit(cache=True, nogil=True)
-def _map_predict_amx(xq, x_exp, wh, wl, w_exp, out, cfg):
-    """xq int16 [S, n, K2]; x_exp int32 [S, n]; wh / wl [S, m16/16, K64/4, 64] (:func:`amx_weights`);
-    w_exp int32 [S, >= m]; out float32 [n, m] (unit column stride), m % 16 == 0, m <= m16."""
-    S, n, K2 = xq.shape
+def _products(xh, xl, x_exp, wh, wl, w_exp, out, cfg, acc):
+    """The tile products and epilogue.  xh / xl: flat byte planes ``[S, n16, K64]`` (:func:`_split`,
+    :func:`_quantize_planes`); x_exp int32 [S, n]; wh / wl [S, m16/16, K64/4, 64] (:func:`amx_weights`);
+    w_exp int32 [S, >= m]; out float32 [n, m] (unit column stride), m % 16 == 0, m <= m16; acc:
+    int8 scratch of ``2 S`` 4-KiB tile sets, 64-byte aligned.
+
+    The planes' padding (rows ``n..n16``, channels ``K2..K64``) may hold anything: padded channels
+    meet zero weights (exactly 0 in the integer sums) and padded rows' sums are never read."""
+    S, n = x_exp.shape
     m = out.shape[1]
     ngrp, kq = wh.shape[1], wh.shape[2]
     K64 = 4 * kq
@@ -293,69 +348,73 @@ def _map_predict_amx(xq, x_exp, wh, wl, w_exp, out, cfg):
         for t in range(n):
             rs[s * n + t] = _pow2(np.int64(x_exp[s, t]))
     n16 = -(-n // 16) * 16
-    xh = aligned_zeros_i8(S * n16 * K64).reshape(S, n16, K64)
-    xl = aligned_zeros_i8(S * n16 * K64).view(np.uint8).reshape(S, n16, K64)
-    _split(xq, xh, xl)
-    acc = aligned_zeros_i8(2 * 4096).view(np.int32)   # two sets of the three tiles (4 KiB apart): see below
-    y = np.empty(256, np.float64)
+    acc32 = acc.view(np.int32)
     xstride = np.int64(K64)
     src_bytes = n16 * K64
     w_src = ngrp * kq * 64
     ng = m // 16
-    # Items (row block, column group, source) in order.  The epilogue of an item runs one item
-    # late, from the other half of ``acc``: reading a tile back right after ``tilestored`` stalls
-    # until the store completes, and the tile products of the next item overlap that wait.  The
-    # epilogues still run in item order, so y sums the sources in order.
+    # Items (row block, column group), each taking every source's tile products.  The epilogue
+    # of an item runs one item late, from the other half of ``acc``: reading a tile back right
+    # after ``tilestored`` stalls until the store completes, and the tile products of the next
+    # item overlap that wait.
     _tile_config(cfg)
     prev = -1
-    nitems = ((n + 15) // 16) * ng * S
+    nitems = (n16 // 16) * ng
     for it in range(nitems + 1):
         if it < nitems:
-            s = it % S
-            g = (it // S) % ng
-            t0 = 16 * (it // (S * ng))
-            _zero_hh()
-            _zero_mid()
-            _zero_ll()
-            xo = s * src_bytes + t0 * K64
-            wo = s * w_src + g * kq * 64
-            for k in range(K64 // 64):
-                _load_xh(xh, xo + 64 * k, xstride)
-                _load_xl(xl, xo + 64 * k, xstride)
-                _load_wh(wh, wo + 1024 * k, np.int64(64))
-                _load_wl(wl, wo + 1024 * k, np.int64(64))
-                _dot_hh()
-                _dot_hl()
-                _dot_lh()
-                _dot_ll()
-            ab = np.int64(4096 * (it & 1))
-            _store_hh(acc, ab, np.int64(64))
-            _store_mid(acc, ab + 1024, np.int64(64))
-            _store_ll(acc, ab + 2048, np.int64(64))
+            g = it % ng
+            t0 = 16 * (it // ng)
+            for s in range(S):
+                _zero_hh()
+                _zero_mid()
+                _zero_ll()
+                xo = s * src_bytes + t0 * K64
+                wo = s * w_src + g * kq * 64
+                for k in range(K64 // 64):
+                    _load_xh(xh, xo + 64 * k, xstride)
+                    _load_xl(xl, xo + 64 * k, xstride)
+                    _load_wh(wh, wo + 1024 * k, np.int64(64))
+                    _load_wl(wl, wo + 1024 * k, np.int64(64))
+                    _dot_hh()
+                    _dot_hl()
+                    _dot_lh()
+                    _dot_ll()
+                ab = np.int64(4096 * (S * (it & 1) + s))
+                _store_hh(acc, ab, np.int64(64))
+                _store_mid(acc, ab + 1024, np.int64(64))
+                _store_ll(acc, ab + 2048, np.int64(64))
         if prev >= 0:
-            s = prev % S
-            g = (prev // S) % ng
-            t0 = 16 * (prev // (S * ng))
-            nr = min(16, n - t0)
-            if s == 0:
-                y[:] = 0.0
-            a0 = 1024 * (prev & 1)
-            for r in range(nr):
-                _epilogue_row(acc, np.int64(a0 + 16 * r), cs, np.int64(s * m16 + 16 * g), rs[s * n + t0 + r], y,
-                              np.int64(16 * r))
-            if s == S - 1:
-                for r in range(nr):
-                    _store_row(y, np.int64(16 * r), out, np.int64(t0 + r), np.int64(16 * g))
+            g = prev % ng
+            t0 = 16 * (prev // ng)
+            a0 = 1024 * S * (prev & 1)
+            for r in range(min(16, n - t0)):
+                _epilogue_row(acc32, np.int64(a0 + 16 * r), cs, np.int64(16 * g), np.int64(m16), rs,
+                              np.int64(t0 + r), np.int64(n), np.int64(S), out, np.int64(t0 + r), np.int64(16 * g))
         prev = it
     _tile_release()
 
 
-@njit(cache=True, nogil=True)
-def aligned_zeros_i8(n):
-    """A zeroed int8 array of ``n`` bytes starting on a 64-byte boundary (tile rows on whole cache lines)."""
-    buf = np.zeros(n + 64, np.int8)
-    off = (-buf.ctypes.data) % 64
-    return buf[off:off + n]
+_local = threading.local()
+
+
+def _scratch(S: int, n: int, K2: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's scratch for ``S`` sources of ``n`` rows of ``K2`` channels: the two flat byte
+    planes and the tile sets (kept and grown as needed: fresh pages would cost a fault each)."""
+    nb = S * (-(-n // 16) * 16) * (-(-K2 // 64) * 64)
+    need = 2 * nb + 2 * S * 4096
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < need:
+        buf = _local.buf = aligned_empty((need,), np.int8)
+    return buf[:nb], buf[nb:2 * nb].view(np.uint8), buf[2 * nb:need]
+
+
+def _check(amx, S: int, K2: int, m: int, w_exp: np.ndarray) -> None:
+    wh, wl = amx
+    if (wh.shape != wl.shape or wh.shape[0] != S or 4 * wh.shape[2] < K2 or 16 * wh.shape[1] < m
+            or w_exp.shape[1] < m or m % 16):
+        raise ValueError("map_predict_amx: inconsistent shapes")
+    if 4 * wh.shape[2] > AMX_K_MAX:
+        raise ValueError(f"map_predict_amx: {4 * wh.shape[2]} channels per source exceed {AMX_K_MAX}")
 
 
 def map_predict_amx(xq: np.ndarray, x_exp: np.ndarray, amx: tuple[np.ndarray, np.ndarray], w_exp: np.ndarray,
@@ -363,11 +422,24 @@ def map_predict_amx(xq: np.ndarray, x_exp: np.ndarray, amx: tuple[np.ndarray, np
     """Write the map prediction into ``out`` (float32 ``[n, m]``, ``m % 16 == 0``, unit column
     stride) with the AMX kernel: ``amx`` from :func:`amx_weights`, the rest as
     :func:`alignpred.kernels.intmap.map_predict` checked them; call only where :func:`amx_enabled`."""
-    wh, wl = amx
-    S, _, K2 = xq.shape
-    if (wh.shape != wl.shape or wh.shape[0] != S or 4 * wh.shape[2] < K2 or 16 * wh.shape[1] < out.shape[1]
-            or w_exp.shape[1] < out.shape[1] or out.shape[1] % 16):
-        raise ValueError("map_predict_amx: inconsistent shapes")
-    if 4 * wh.shape[2] > AMX_K_MAX:
-        raise ValueError(f"map_predict_amx: {4 * wh.shape[2]} channels per source exceed {AMX_K_MAX}")
-    _map_predict_amx(xq, x_exp, wh, wl, w_exp, out, _CFG)
+    S, n, K2 = xq.shape
+    _check(amx, S, K2, out.shape[1], w_exp)
+    xh, xl, acc = _scratch(S, n, K2)
+    _split(xq, xh, xl)
+    _products(xh, xl, x_exp, amx[0], amx[1], w_exp, out, _CFG, acc)
+
+
+def predict_amx(xs: list, scales: list, K2: int, amx: tuple[np.ndarray, np.ndarray], w_exp: np.ndarray,
+                out: np.ndarray) -> None:
+    """Quantise the source rows ``xs`` (float32 ``[n, d]`` each; ``scales[s]``: source ``s``'s
+    :func:`~alignpred.kernels.intmap_rows._row_scales`) straight into the AMX byte planes and write
+    the prediction into ``out`` (float32 ``[n, m]``, ``m % 16 == 0``, unit column stride): the
+    integers and bits of quantising to int16 and :func:`map_predict_amx`, without the int16 pass."""
+    S, n = len(xs), out.shape[0]
+    _check(amx, S, K2, out.shape[1], w_exp)
+    xh, xl, acc = _scratch(S, n, K2)
+    x_exp = np.empty((S, n), np.int32)
+    row = np.empty(K2, np.int16)
+    for s in range(S):
+        _quantize_planes(np.ascontiguousarray(xs[s], np.float32), *scales[s], s, row, xh, xl, x_exp)
+    _products(xh, xl, x_exp, amx[0], amx[1], w_exp, out, _CFG, acc)

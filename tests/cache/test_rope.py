@@ -175,6 +175,22 @@ def test_blocks_do_not_depend_on_the_range_asked():
         assert np.array_equal(t.apply(np.ones((n, 64), np.float32), a), t.apply(np.ones((1500, 64), np.float32), 0)[a:a + n])
 
 
+
+def test_joined_ranges_are_reused_while_their_blocks_are_cached():
+    """A multi-block range asked again (every layer sharing a table, in one decode) is the same
+    joined arrays; once the block cache no longer holds those blocks it is joined afresh, equal."""
+    t = RopeTable.from_theta(1e4, 64)
+    a = t.cos_sin(100, 900)
+    b = t.cos_sin(100, 900)
+    assert b[0] is a[0] and b[1] is a[1]
+    set_table_cache_bytes(0)
+    try:
+        c = t.cos_sin(100, 900)
+        assert c[0] is not a[0] and np.array_equal(c[0], a[0]) and np.array_equal(c[1], a[1])
+        assert t.cos_sin(100, 900)[0] is not c[0]            # no block cache: nothing is kept
+    finally:
+        set_table_cache_bytes(64 << 20)
+
 # -- RopeTable / RopeSpec -----------------------------------------------------------------------------------
 def _variants():
     """Tables shaped like each transformers RoPE type (values as such models produce)."""

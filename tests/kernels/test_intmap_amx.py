@@ -161,3 +161,26 @@ def test_bad_shapes_are_errors():
     with pytest.raises(ValueError, match="inconsistent"):
         ax.map_predict_amx(np.ones((2, 4, 64), np.int16), np.zeros((2, 4), np.int32), amx,
                            np.zeros((2, 16), np.int32), np.empty((4, 16), np.float32))
+
+
+def test_plane_padding_may_hold_anything():
+    """The kernel's scratch is reused without clearing: padded channels and rows left from an earlier
+    call (here: filled with -1 / 255 bytes) never reach the result."""
+    _amx_or_skip()
+    rng = np.random.default_rng(4)
+    S, n, K, m = 2, 21, 70, 40
+    W = rng.standard_normal((S * K, m)).astype(np.float32)
+    xs = [rng.standard_normal((n, K)).astype(np.float32) for _ in range(S)]
+    M = im.IntMap(W, S)
+    clean = M.predict(xs)
+    xh, xl, acc = ax._scratch(S, 4096, 512)
+    xh[:] = -1
+    xl[:] = 255
+    acc[:] = -1
+    dirty = M.predict(xs)
+    xq, xe = M.quantize(xs)
+    wq, we, _ = im.quantize_weights(W, S)
+    ref = im.reference_predict(xq, xe, wq, we).view(np.uint32)
+    assert (clean.view(np.uint32) == ref).all() and (dirty.view(np.uint32) == ref).all()
+    with pytest.raises(ValueError, match="shape"):
+        M.predict([xs[0], xs[1][:, :-1]])
