@@ -50,7 +50,7 @@ from alignpred.kernels.intmap_block import (
     _V16D,
     _V16F,
     _V16I,
-    _pow2,
+    _epilogue_scales,
     _splat,
     _vload,
     _vstore,
@@ -340,13 +340,7 @@ def _products(xh, xl, x_exp, wh, wl, w_exp, out, cfg, acc):
     ngrp, kq = wh.shape[1], wh.shape[2]
     K64 = 4 * kq
     m16 = 16 * ngrp
-    cs = np.zeros(S * m16, np.float64)
-    rs = np.empty(S * n, np.float64)
-    for s in range(S):
-        for j in range(m):
-            cs[s * m16 + j] = _pow2(np.int64(w_exp[s, j]))
-        for t in range(n):
-            rs[s * n + t] = _pow2(np.int64(x_exp[s, t]))
+    cs, rs = _epilogue_scales(w_exp, x_exp, m, m16)
     n16 = -(-n // 16) * 16
     acc32 = acc.view(np.int32)
     xstride = np.int64(K64)

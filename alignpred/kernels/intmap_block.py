@@ -251,6 +251,21 @@ def _row_l1(xq, K2):
 
 
 @njit(cache=True, nogil=True)
+def _epilogue_scales(w_exp, x_exp, m, mp):
+    """The epilogue's powers of two: ``cs [S * mp]`` per source and column (``2**w_exp``, zero past
+    ``m``) and ``rs [S * n]`` per source and row (``2**x_exp``)."""
+    S, n = x_exp.shape
+    cs = np.zeros(S * mp, np.float64)
+    rs = np.empty(S * n, np.float64)
+    for s in range(S):
+        for j in range(m):
+            cs[s * mp + j] = _pow2(np.int64(w_exp[s, j]))
+        for t in range(n):
+            rs[s * n + t] = _pow2(np.int64(x_exp[s, t]))
+    return cs, rs
+
+
+@njit(cache=True, nogil=True)
 def _map_predict(xq, x_exp, wb, w_exp, out):
     """xq int16 [S, n, 2KP]; x_exp int32 [S, n]; wb int16 [S, mp/32, KP, 32, 2] (the panels of
     :func:`block_weights`); w_exp int32 [S, >= m]; out float32 [n, m] (unit column stride),
@@ -263,13 +278,7 @@ def _map_predict(xq, x_exp, wb, w_exp, out):
     wf = wb.ravel()
     tmp = np.empty(R_BLK * COL_BLK, np.float64)
     y = np.empty(R_BLK * COL_BLK, np.float64)
-    cs = np.zeros(S * mp, np.float64)
-    rs = np.empty(S * n, np.float64)
-    for s in range(S):
-        for j in range(m):
-            cs[s * mp + j] = _pow2(np.int64(w_exp[s, j]))
-        for t in range(n):
-            rs[s * n + t] = _pow2(np.int64(x_exp[s, t]))
+    cs, rs = _epilogue_scales(w_exp, x_exp, m, mp)
     nch_static = (KP + KP_CHUNK - 1) // KP_CHUNK
     if S == 0 or KP == 0:
         out[:] = 0.0
