@@ -1,4 +1,5 @@
-"""The integer map products on Intel AMX tiles: the same integers as the vector kernel, 2-4x faster.
+"""The integer map products on Intel AMX tiles: the same bits as the vector kernel, faster (1.6-1.9x
+on the decoder's 2,048 x 256 x 256 products on a 2-core Xeon).
 
 AMX (``amx-int8``, Sapphire Rapids and later Xeons) multiplies int8 tiles: ``tdpb[su][su]d C, A, B``
 adds ``sum_i A[m, 4k+i] * B[k, 4n+i]`` to the int32 tile ``C[m, n]`` (16 x 16 outputs, 64 products
@@ -12,8 +13,8 @@ takes four tile products into three int32 tiles (``tdpbssd``; ``tdpbsud`` and ``
 same middle tile; ``tdpbuud``).  Bounds per source of ``K`` channels (``K`` padded to 64):
 ``|hh| <= 512 K``, ``|mid| <= 16320 K``, ``ll <= 65025 K``, all below ``2**31`` for
 ``K <= AMX_K_MAX = 33024``, so every tile sum is exact in int32 in any order and
-``(hh << 16) + (mid << 8) + ll`` in int64 is the exact integer ``acc_s[t, j]`` of
-:mod:`alignpred.kernels.intmap`.  From there the epilogue is that module's, operation for
+``65536 hh + 256 mid + ll`` (formed in float64 with FMAs: an integer below 2**53, exact) is the
+integer ``acc_s[t, j]`` of :mod:`alignpred.kernels.intmap`.  From there the epilogue is that module's, operation for
 operation (``float64(acc) * (2**w_exp * 2**x_exp)``, sources added in order from +0.0, one
 float32 rounding), so the predictions are bit-identical to the vector kernel's and the portable
 reference's: AMX changes speed, never the bits.
@@ -189,10 +190,18 @@ _state_lock = threading.Lock()
 
 
 def _target_has_amx() -> bool:
-    from numba.core.registry import cpu_target
+    """Whether numba compiles for a CPU with ``amx-tile`` and ``amx-int8``: the host's features
+    (llvmlite), unless ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` name another target."""
+    import numba
+    from llvmlite import binding
 
-    f = set(cpu_target.target_context.codegen()._tm_features.split(","))
-    return "+amx-tile" in f and "+amx-int8" in f
+    if numba.config.CPU_FEATURES:
+        f = set(numba.config.CPU_FEATURES.split(","))
+        return "+amx-tile" in f and "+amx-int8" in f
+    if numba.config.CPU_NAME and numba.config.CPU_NAME != "host":
+        return False
+    host = binding.get_host_cpu_features()
+    return bool(host.get("amx-tile")) and bool(host.get("amx-int8"))
 
 
 def _request_tile_state() -> bool:
