@@ -104,6 +104,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/amx_decode.json")
     a = ap.parse_args(argv)
+    if a.caches < 0 or a.rounds < 1:
+        ap.error("--caches must be >= 0 and --rounds >= 1")
     caches = eval_caches()
     if not caches:
         raise SystemExit("no held-out caches: run python samples/make_samples.py --what eval")
