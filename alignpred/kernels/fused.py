@@ -180,50 +180,55 @@ def _clip(v, fmax):
     return -fmax if v < -fmax else v
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _bf16(v):
+# The casts are written in LLVM IR on 32-bit integers: numba would widen uint32 arithmetic to 64
+# bits, which halves the vector width of the loops that call them (the same bits: every value they
+# keep fits in 32 bits).
+
+def _u32(v):
+    return ir.Constant(ir.IntType(32), v)
+
+
+@intrinsic
+def _bf16(typingctx, v):
     """float32 -> bfloat16 bits: round to nearest even; nan -> sign | 0x7fc0 (ml_dtypes)."""
-    u = _f32_bits(v)
-    a = u & np.uint32(0x7FFFFFFF)
-    rne = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    nanv = ((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0)
-    return np.uint16(nanv if a > np.uint32(0x7F800000) else rne)
+    def codegen(context, builder, sig, args):
+        u = builder.bitcast(args[0], ir.IntType(32))
+        a = builder.and_(u, _u32(0x7FFFFFFF))
+        hi = builder.lshr(u, _u32(16))
+        rne = builder.lshr(builder.add(builder.add(u, _u32(0x7FFF)), builder.and_(hi, _u32(1))), _u32(16))
+        nanv = builder.or_(builder.and_(hi, _u32(0x8000)), _u32(0x7FC0))
+        out = builder.select(builder.icmp_unsigned(">", a, _u32(0x7F800000)), nanv, rne)
+        return builder.trunc(out, ir.IntType(16))
+    return types.uint16(types.float32), codegen
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _f16(v):
+@intrinsic
+def _f16(typingctx, v):
     """float32 -> float16 bits as numpy: round to nearest even (subnormals included), overflow
     to inf, nan -> sign | 0x7c00 | top 10 payload bits (0x7c01 if those are zero)."""
-    u = _f32_bits(v)
-    sgn = (u >> np.uint32(16)) & np.uint32(0x8000)
-    a = u & np.uint32(0x7FFFFFFF)
-    # normal half: rebias the exponent (127 -> 15), round the 13 dropped bits to even
-    nrm = (a - np.uint32(0x38000000) + np.uint32(0xFFF) + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
-    # subnormal half: |v| * 2**24 (exact) rounded to an integer; clamped so that the (unused,
-    # for larger |v|) conversion stays defined
-    sv = abs(v) * np.float32(16777216.0)
-    sv = sv if sv < np.float32(2048.0) else np.float32(2048.0)
-    sub = np.uint32(np.int32((sv + np.float32(12582912.0)) - np.float32(12582912.0)))
-    nanh = np.uint32(0x7C00) | ((a >> np.uint32(13)) & np.uint32(0x3FF))
-    nanh = nanh if nanh != np.uint32(0x7C00) else np.uint32(0x7C01)
-    hv = nrm if a >= np.uint32(0x38800000) else sub
-    hv = np.uint32(0x7C00) if a >= np.uint32(0x477FF000) else hv
-    hv = nanh if a > np.uint32(0x7F800000) else hv
-    return np.uint16(sgn | hv)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _emit(nat32, nat16, t, lo, hi, xrow, kind, fmax):
-    """native[t, lo:hi] = cast(clip(xrow[lo:hi]))."""
-    if kind == OUT_F32:
-        for c in range(lo, hi):
-            nat32[t, c] = _clip(xrow[c], fmax)
-    elif kind == OUT_BF16:
-        for c in range(lo, hi):
-            nat16[t, c] = _bf16(_clip(xrow[c], fmax))
-    else:
-        for c in range(lo, hi):
-            nat16[t, c] = _f16(_clip(xrow[c], fmax))
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        x = args[0]
+        u = builder.bitcast(x, ir.IntType(32))
+        sgn = builder.and_(builder.lshr(u, _u32(16)), _u32(0x8000))
+        a = builder.and_(u, _u32(0x7FFFFFFF))
+        # normal half: rebias the exponent (127 -> 15), round the 13 dropped bits to even
+        a13 = builder.lshr(a, _u32(13))
+        nrm = builder.lshr(builder.add(builder.add(builder.sub(a, _u32(0x38000000)), _u32(0xFFF)),
+                                       builder.and_(a13, _u32(1))), _u32(13))
+        # subnormal half: |v| * 2**24 (exact) rounded to an integer; clamped below 2048 (nan too)
+        # so that the (unused, for larger |v|) conversion stays defined
+        sv = builder.fmul(builder.bitcast(a, f32), ir.Constant(f32, 16777216.0))
+        sv = builder.select(builder.fcmp_ordered("<", sv, ir.Constant(f32, 2048.0)), sv, ir.Constant(f32, 2048.0))
+        mg = ir.Constant(f32, 12582912.0)
+        sub = builder.fptosi(builder.fsub(builder.fadd(sv, mg), mg), ir.IntType(32))
+        nanh = builder.or_(_u32(0x7C00), builder.and_(a13, _u32(0x3FF)))
+        nanh = builder.select(builder.icmp_unsigned("==", nanh, _u32(0x7C00)), _u32(0x7C01), nanh)
+        hv = builder.select(builder.icmp_unsigned(">=", a, _u32(0x38800000)), nrm, sub)
+        hv = builder.select(builder.icmp_unsigned(">=", a, _u32(0x477FF000)), _u32(0x7C00), hv)
+        hv = builder.select(builder.icmp_unsigned(">", a, _u32(0x7F800000)), nanh, hv)
+        return builder.trunc(builder.or_(sgn, hv), ir.IntType(16))
+    return types.uint16(types.float32), codegen
 
 
 @njit(cache=True, nogil=True)
@@ -321,7 +326,17 @@ def _post(base, q, delta, chan, has_chan, interp, S, mean, cos, sin, r, interlea
                         x2 = xrow[h + i]
                         xrow[i] = x1 * cos[t, i] - x2 * sin[t, i]
                         xrow[h + i] = x2 * cos[t, i] + x1 * sin[t, i]
-            _emit(nat32, nat16, t, 0, d, xrow, kind, fmax)
+            # native[t] = cast(clip(xrow)), written here: a helper taking the arrays would cost
+            # numba's reference counting on every row
+            if kind == OUT_F32:
+                for c in range(d):
+                    nat32[t, c] = _clip(xrow[c], fmax)
+            elif kind == OUT_BF16:
+                for c in range(d):
+                    nat16[t, c] = _bf16(_clip(xrow[c], fmax))
+            else:
+                for c in range(d):
+                    nat16[t, c] = _f16(_clip(xrow[c], fmax))
 
 
 _KINDS = {"float32": OUT_F32, "bfloat16": OUT_BF16, "float16": OUT_F16}

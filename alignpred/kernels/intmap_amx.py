@@ -58,7 +58,7 @@ from alignpred.kernels.intmap_block import (
     aligned_empty,
     unblock_weights,
 )
-from alignpred.kernels.intmap_rows import _quantize_row
+from alignpred.kernels.intmap_rows import _quantize_planes
 
 AMX_K_MAX = 33024                # channels per source: 65025 * K < 2**31
 _I8 = ir.IntType(8)
@@ -282,20 +282,6 @@ def _split(xq, xh, xl):
             _split_row(xq[s, t], K2, xh, xl, (s * n16 + t) * K64)
 
 
-@njit(cache=True, nogil=True)
-def _quantize_planes(x, pscale, p32, smin, smax, s, row, xh, xl, x_exp):
-    """Source ``s``'s rows ``x float32 [n, d]`` quantised (:func:`~alignpred.kernels.intmap_rows._quantize_row`,
-    the vector kernel's integers) straight into the flat byte planes ``[S, ceil16(n), K64]``
-    (``row``: int16 scratch [K2]); exponents into ``x_exp[s]``."""
-    n = x.shape[0]
-    K2 = row.shape[0]
-    K64 = -(-K2 // 64) * 64
-    n16 = -(-n // 16) * 16
-    for t in range(n):
-        x_exp[s, t] = _quantize_row(x[t], pscale, p32, smin, smax, row)
-        _split_row(row, K2, xh, xl, (s * n16 + t) * K64)
-
-
 @intrinsic
 def _epilogue_row(typingctx, acc, ai, cs, ci, cstride, rs, ri, rstride, nsrc, out, row, col):
     """One row of 16 outputs, every source:
@@ -442,7 +428,7 @@ def predict_amx(xs: list, scales: list, K2: int, amx: tuple[np.ndarray, np.ndarr
     _check(amx, S, K2, out.shape[1], w_exp)
     xh, xl, acc = _scratch(S, n, K2)
     x_exp = np.empty((S, n), np.int32)
-    row = np.empty(K2, np.int16)
-    for s in range(S):
-        _quantize_planes(np.ascontiguousarray(xs[s], np.float32), *scales[s], s, row, xh, xl, x_exp)
+    K64, n16 = -(-K2 // 64) * 64, -(-n // 16) * 16
+    for s in range(S):   # source s's rows at the flat planes' [s, t, :] ([S, n16, K64])
+        _quantize_planes(np.ascontiguousarray(xs[s], np.float32), *scales[s], K2, xh, xl, s * n16 * K64, K64, x_exp[s])
     _products(xh, xl, x_exp, amx[0], amx[1], w_exp, out, _CFG, acc)
