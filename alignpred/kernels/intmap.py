@@ -235,7 +235,8 @@ class IntMap:
             x = srcs[s]
             if x.shape != (n, self.d_in):
                 raise ValueError(f"source {s} has shape {x.shape}, expected ({n}, {self.d_in})")
-            _quantize_rows(np.ascontiguousarray(x, np.float32), *scales[s], xq[s], x_exp[s])
+            pscale, p32, lo, hi = scales[s]
+            _quantize_rows(np.ascontiguousarray(x, np.float32), pscale, p32, lo, hi, xq[s], x_exp[s])
         return xq, x_exp
 
     def _predict_amx(self, xs: list, out: np.ndarray, amx: tuple) -> None:

@@ -430,5 +430,7 @@ def predict_amx(xs: list, scales: list, K2: int, amx: tuple[np.ndarray, np.ndarr
     x_exp = np.empty((S, n), np.int32)
     K64, n16 = -(-K2 // 64) * 64, -(-n // 16) * 16
     for s in range(S):   # source s's rows at the flat planes' [s, t, :] ([S, n16, K64])
-        _quantize_planes(np.ascontiguousarray(xs[s], np.float32), *scales[s], K2, xh, xl, s * n16 * K64, K64, x_exp[s])
+        pscale, p32, lo, hi = scales[s]
+        _quantize_planes(np.ascontiguousarray(xs[s], np.float32), pscale, p32, lo, hi, K2, xh, xl, s * n16 * K64, K64,
+                         x_exp[s])
     _products(xh, xl, x_exp, amx[0], amx[1], w_exp, out, _CFG, acc)

@@ -246,49 +246,51 @@ def _row_slow(x, t, pscale, p32, e, fast, k0, K2):
 # njit function that takes arrays costs reference counting at every call (see the module doc).
 
 @njit(cache=True, nogil=True)
+def _quantize_into(x, pscale, p32, smin, smax, K2, xq, xh, xl, o0, ostride, x_exp, planes):
+    """The row loop of :func:`_quantize_rows` (``planes`` False: int16 rows ``xq``) and of
+    :func:`_quantize_planes` (True: the byte planes ``xh`` / ``xl``; ``xq`` unused); ``K2``: the
+    channels written (``d..K2`` zero).  One loop for both, calling only intrinsics on its hot path."""
+    n, d = x.shape
+    d16 = d - d % 16
+    for t in range(n):
+        m32 = _absmax_bits16(x, t, p32, np.int64(d16))
+        e, finite = (_exponent_of(m32), True) if _exponent_fast(m32, d16, d) else _row_exponent(x, t, pscale, p32)
+        e -= BX - 1
+        x_exp[t] = e
+        fast = _row_fast(e, finite, smin, smax)
+        k0 = d16 if fast else 0
+        c = _i32_as_f32(np.int32((127 - e) << 23)) if fast else np.float32(0.0)
+        o = o0 + t * ostride
+        if fast and planes:
+            _quant16_planes(x, t, p32, c, np.int64(d16), xh, xl, np.int64(o))
+        elif fast:
+            _quant16_i16(x, t, p32, c, np.int64(d16), xq, np.int64(t))
+        if k0 < K2:
+            q = _row_slow(x, t, pscale, p32, e, fast, k0, K2)
+            for k in range(k0, K2):
+                if planes:
+                    xh[o + k] = np.int8(q[k - k0] >> 8)
+                    xl[o + k] = np.uint8(q[k - k0] & 255)
+                else:
+                    xq[t, k] = np.int16(q[k - k0])
+
+
+_NO_I16 = np.zeros((0, 0), np.int16)
+_NO_I8 = np.zeros(0, np.int8)
+_NO_U8 = np.zeros(0, np.uint8)
+
+
 def _quantize_rows(x, pscale, p32, smin, smax, xq, x_exp):
     """x float32 [n, d] (C-contiguous); the scales as :func:`_row_scales` gives them; xq int16
     [n, K2 >= d] (C-contiguous; columns beyond d zeroed); x_exp int32 [n]."""
-    n, d = x.shape
-    d16 = d - d % 16
-    K2 = xq.shape[1]
-    for t in range(n):
-        m32 = _absmax_bits16(x, t, p32, np.int64(d16))
-        e, finite = (_exponent_of(m32), True) if _exponent_fast(m32, d16, d) else _row_exponent(x, t, pscale, p32)
-        e -= BX - 1
-        x_exp[t] = e
-        fast = _row_fast(e, finite, smin, smax)
-        k0 = d16 if fast else 0
-        if fast:
-            _quant16_i16(x, t, p32, _i32_as_f32(np.int32((127 - e) << 23)), np.int64(d16), xq, np.int64(t))
-        if k0 < K2:
-            q = _row_slow(x, t, pscale, p32, e, fast, k0, K2)
-            for k in range(k0, K2):
-                xq[t, k] = np.int16(q[k - k0])
+    _quantize_into(x, pscale, p32, smin, smax, xq.shape[1], xq, _NO_I8, _NO_U8, 0, 0, x_exp, False)
 
 
-@njit(cache=True, nogil=True)
 def _quantize_planes(x, pscale, p32, smin, smax, K2, xh, xl, o0, ostride, x_exp):
-    """The integers of :func:`_quantize_rows` (channels ``d..K2`` zero) as the AMX kernel's byte
-    planes: row ``t``'s ``q`` at ``xh[o + k] = q >> 8`` (int8), ``xl[o + k] = q & 255`` (uint8),
-    ``o = o0 + t * ostride``; exponents into ``x_exp`` (int32 [n])."""
-    n, d = x.shape
-    d16 = d - d % 16
-    for t in range(n):
-        o = o0 + t * ostride
-        m32 = _absmax_bits16(x, t, p32, np.int64(d16))
-        e, finite = (_exponent_of(m32), True) if _exponent_fast(m32, d16, d) else _row_exponent(x, t, pscale, p32)
-        e -= BX - 1
-        x_exp[t] = e
-        fast = _row_fast(e, finite, smin, smax)
-        k0 = d16 if fast else 0
-        if fast:
-            _quant16_planes(x, t, p32, _i32_as_f32(np.int32((127 - e) << 23)), np.int64(d16), xh, xl, np.int64(o))
-        if k0 < K2:
-            q = _row_slow(x, t, pscale, p32, e, fast, k0, K2)
-            for k in range(k0, K2):
-                xh[o + k] = np.int8(q[k - k0] >> 8)
-                xl[o + k] = np.uint8(q[k - k0] & 255)
+    """The integers of :func:`_quantize_rows` for ``K2`` channels (``d..K2`` zero) as the AMX
+    kernel's byte planes: row ``t``'s ``q`` at ``xh[o + k] = q >> 8`` (int8), ``xl[o + k] = q & 255``
+    (uint8), ``o = o0 + t * ostride`` (``ostride >= K2``); exponents into ``x_exp`` (int32 [n])."""
+    _quantize_into(x, pscale, p32, smin, smax, K2, _NO_I16, xh, xl, o0, ostride, x_exp, True)
 
 
 def quantize_rows(x: np.ndarray, shift: np.ndarray | None = None, out: np.ndarray | None = None):
@@ -318,7 +320,7 @@ def quantize_rows(x: np.ndarray, shift: np.ndarray | None = None, out: np.ndarra
     return xq, x_exp
 
 
-def _row_scales(shift: np.ndarray):
+def _row_scales(shift: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Arguments of :func:`_quantize_rows` for one source's shifts ``int32 [d]``."""
     pscale = np.ldexp(1.0, -shift.astype(np.int32))
     lo, hi = (int(shift.min()), int(shift.max())) if shift.size else (0, 0)
