@@ -258,28 +258,26 @@ def _split32(typingctx, xf, i, xh, xl, o):
     return sig, codegen
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _split_row(qr, K2, xh, xl, o):
-    """``qr`` int16 [>= K2] into the planes at ``xh[o:o + K2]``, ``xl[o:o + K2]``: ``qr = 256 xh + xl``."""
-    k32 = K2 // 32 * 32
-    for k in range(0, k32, 32):
-        _split32(qr, np.int64(k), xh, xl, np.int64(o + k))
-    for k in range(k32, K2):
-        v = qr[k]
-        xh[o + k] = np.int8(v >> np.int16(8))
-        xl[o + k] = np.uint8(v & np.int16(255))
-
-
 @njit(cache=True, nogil=True)
 def _split(xq, xh, xl):
-    """``xq int16 [S, n, K2]`` into the flat byte planes ``xh int8 / xl uint8 [S, ceil16(n), ceil64(K2)]``
-    (the padding not written: it meets zero weights or rows never read, see :func:`_products`)."""
+    """``xq int16 [S, n, K2]`` (C-contiguous) into the flat byte planes ``xh int8 / xl uint8 [S,
+    ceil16(n), ceil64(K2)]``, ``xq = 256 xh + xl`` (the padding not written: it meets zero weights
+    or rows never read, see :func:`_products`).  Indexed through the flat array, not a view per row
+    (a view costs numba's reference counting, see :mod:`~alignpred.kernels.intmap_rows`)."""
     S, n, K2 = xq.shape
     K64 = -(-K2 // 64) * 64
     n16 = -(-n // 16) * 16
+    xf = xq.ravel()
+    k32 = K2 // 32 * 32
     for s in range(S):
         for t in range(n):
-            _split_row(xq[s, t], K2, xh, xl, (s * n16 + t) * K64)
+            i, o = (s * n + t) * K2, (s * n16 + t) * K64
+            for k in range(0, k32, 32):
+                _split32(xf, np.int64(i + k), xh, xl, np.int64(o + k))
+            for k in range(k32, K2):
+                v = xf[i + k]
+                xh[o + k] = np.int8(v >> np.int16(8))
+                xl[o + k] = np.uint8(v & np.int16(255))
 
 
 @intrinsic
