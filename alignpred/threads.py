@@ -12,6 +12,8 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from alignpred.errors import FormatError
+
 _CONTROLLER = None
 _LOCK = threading.Lock()
 
@@ -74,6 +76,26 @@ def stepwise(ctx, it):
             except StopIteration:
                 return
         yield item
+
+
+def lockstep(pool, gens, whole: bool = False):
+    """Advance several decode generators together (one tensor each per step, in parallel).
+    ``whole``: run each to its end first, in parallel, with no barrier between tensors (for a
+    caller that takes every tensor before using any), then yield the steps."""
+    if whole:
+        runs = list(pool.map(list, gens))
+        if any(len(r) != len(runs[0]) for r in runs):
+            raise FormatError("decode groups went out of step")
+        yield from (list(step) for step in zip(*runs))
+        return
+    sentinel = object()
+    while True:
+        results = list(pool.map(lambda g: next(g, sentinel), gens))
+        if any(r is sentinel for r in results):
+            if not all(r is sentinel for r in results):
+                raise FormatError("decode groups went out of step")
+            return
+        yield results
 
 
 @contextlib.contextmanager

@@ -98,21 +98,34 @@ class Decoder(Chain):
         q = np.empty((lay.kv_heads * lay.head_dim, n_rows), np.int32)
         deltas = np.empty(j1 - j0, np.float32)
         zero = np.zeros(j1 - j0, bool)
-        for j in range(j0, j1):
-            with self._stage("fetch"):
+        payloads: list = []
+        widths: list = []
+        c0 = 0           # the first column of the run of coded objects in payloads
+        with self._stage("fetch"):
+            for j in range(j0, j1):
                 entry, payload = fetch(ti, j)
-            a = j * S - start
-            if entry.n_tokens != min(S, lay.n_tokens - j * S):
-                raise FormatError(f"{what}: object {j} has the wrong length")
-            deltas[j - j0] = entry.delta
-            cols = q[:, a:a + entry.n_tokens]
-            if entry.flags & OBJ_ZERO:
-                zero[j - j0] = True
-                cols[...] = 0
-            else:  # straight into its columns of q
-                with self._stage("entropy"):
-                    entropy.decode(payload, models, cols.shape, self.coder, out=cols)
+                if entry.n_tokens != min(S, lay.n_tokens - j * S):
+                    raise FormatError(f"{what}: object {j} has the wrong length")
+                deltas[j - j0] = entry.delta
+                if entry.flags & OBJ_ZERO:
+                    zero[j - j0] = True
+                    q[:, j * S - start:j * S - start + entry.n_tokens] = 0
+                    self._entropy_run(payloads, widths, models, q, c0)
+                    c0 = j * S - start + entry.n_tokens
+                else:
+                    payloads.append(payload)
+                    widths.append(entry.n_tokens)
+        self._entropy_run(payloads, widths, models, q, c0)
         return q, deltas, zero
+
+    def _entropy_run(self, payloads: list, widths: list, models, q, c0: int) -> None:
+        """Decode the consecutive objects ``payloads`` into ``q``'s columns from ``c0`` on, in one
+        entropy call (:func:`alignpred.entropy.coder.decode_objects`), and empty the lists."""
+        if payloads:
+            with self._stage("entropy"):
+                entropy.decode_objects(payloads, models, q.shape[0], widths, self.coder, q[:, c0:c0 + sum(widths)])
+            payloads.clear()
+            widths.clear()
 
     def decode_range(self, metas: list, fetch, j0: int, j1: int, layers=None, out=None, refine_fetch=None):
         """Decode objects ``j0..j1-1`` of every tensor up to the last layer in ``layers`` (an

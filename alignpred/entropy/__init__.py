@@ -19,6 +19,7 @@ from alignpred.entropy.coder import (
                                      choose_models,
                                      decode,
                                      decode_ctx,
+                                     decode_objects,
                                      encode,
                                      encode_ctx,
                                      estimate_bits,
@@ -31,5 +32,5 @@ from alignpred.entropy.lanes import encode as lanes_encode
 from alignpred.entropy.lanes_simd import target_isa as lanes_isa
 
 __all__ = ["MODEL_SET_ID", "PREC", "N_MODELS", "N_TOKENS", "CODERS", "CODER_IDS", "choose_models", "estimate_bits",
-           "encode", "decode", "encode_ctx", "decode_ctx", "histogram", "models_from_histogram",
+           "encode", "decode", "decode_objects", "encode_ctx", "decode_ctx", "histogram", "models_from_histogram",
            "LANES_PREC", "lanes_encode", "lanes_decode", "lanes_isa"]

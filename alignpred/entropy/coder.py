@@ -294,6 +294,50 @@ def decode(buf, model_ids: np.ndarray, shape: tuple[int, int],
     raise FormatError(f"unknown coder {coder!r}")
 
 
+def decode_objects(bufs: list, model_ids: np.ndarray, C: int, widths, coder: str, out: np.ndarray) -> np.ndarray:
+    """:func:`decode` of several payloads sharing ``model_ids`` (the objects of one tensor) into
+    consecutive column ranges of ``out`` (int32 ``[C, sum(widths)]``, any strides): the symbols
+    and errors of one :func:`decode` per payload, with the validation and the kernel call done
+    once for all ``lanes32`` payloads.
+
+    >>> ids = np.array([3, 200], np.uint8)
+    >>> q = np.array([[1, -2, 3], [-5, 0, 7]], np.int32)
+    >>> bufs = [encode(q[:, :2], ids, "lanes32"), encode(q[:, 2:], ids, "lanes32")]
+    >>> decode_objects(bufs, ids, 2, [2, 1], "lanes32", np.empty((2, 3), np.int32)).tolist()
+    [[1, -2, 3], [-5, 0, 7]]
+    """
+    if len(bufs) != len(widths):
+        raise ValueError("one width per payload")
+    if coder != "lanes32" or not bufs:
+        c0 = 0
+        for buf, n in zip(bufs, widths):
+            decode(buf, model_ids, (C, n), coder, out=out[:, c0:c0 + n])
+            c0 += n
+        return out
+    ids = _as_ids(model_ids, C, FormatError)
+    raws, kept = [], []
+    for buf, n in zip(bufs, widths):
+        if C < 0 or n < 0 or C * n >= _MAX_SYMBOLS:
+            raise FormatError(f"bad shape {(C, n)!r}")
+        try:
+            raw = _payload_words(buf)
+        except (TypeError, ValueError) as e:
+            raise FormatError(f"payload is not a byte buffer: {e}") from None
+        if C * n > _MAX_SYMBOLS_PER_BYTE * (raw.size + 32):
+            raise FormatError(f"payload of {raw.size} bytes is too short for shape {(C, n)!r}")
+        if C * n == 0:   # no symbols, no columns (C == 0) or none of them (n == 0)
+            if raw.size:
+                raise FormatError("non-empty payload for an empty object")
+            continue
+        raws.append(raw)
+        kept.append(n)
+    if not raws:
+        return out
+    from alignpred.entropy import lanes
+
+    return lanes.decode_objects(raws, ids, C, kept, out)
+
+
 # --- constriction reference coder ----------------------------------------------------------
 
 _cmodels: dict[int, object] = {}

@@ -321,6 +321,65 @@ def padded_words(raw: np.ndarray) -> np.ndarray:
     return w
 
 
+@njit(cache=True, nogil=True)
+def _objects_portable(w, offs, Ws, hws, ids, dtab, prec, out, cols):
+    """:func:`decode_portable` over objects ``j`` (words ``w[offs[j]:offs[j+1]]``, columns
+    ``cols[j]:cols[j+1]`` of ``out``) in one call; returns ``(error, object)``."""
+    for j in range(Ws.shape[0]):
+        err = decode_portable(w[offs[j]:offs[j + 1]], Ws[j], hws[j], ids, dtab, prec, out[:, cols[j]:cols[j + 1]])
+        if err != ERR_OK:
+            return err, j
+    return ERR_OK, -1
+
+
+def decode_objects(bufs: list, ids: np.ndarray, C: int, widths, out: np.ndarray, path: str | None = None,
+                   prec: int = LANES_PREC) -> np.ndarray:
+    """Decode several payloads that share the model ids ``ids`` into consecutive column ranges of
+    ``out`` (int32 ``[C, sum(widths)]``, any strides): payload ``j`` holds ``[C, widths[j]]``
+    (``C * widths[j] > 0``). The symbols, words read and errors of :func:`decode` on each
+    payload, in one kernel call (the per-object work of a tensor's objects, once).
+
+    >>> q = np.arange(-40, 40, dtype=np.int32).reshape(2, 40)
+    >>> ids = np.array([3, 7])
+    >>> bufs = [encode(np.ascontiguousarray(q[:, :25]), ids), encode(np.ascontiguousarray(q[:, 25:]), ids)]
+    >>> np.array_equal(decode_objects(bufs, ids, 2, [25, 15], np.empty((2, 40), np.int32)), q)
+    True
+    """
+    if out.shape != (C, sum(widths)) or out.dtype != np.int32:
+        raise ValueError(f"out must be int32 {(C, sum(widths))}, got {out.dtype} {out.shape}")
+    _, dtab = tables(prec)
+    if dtab is None:
+        raise ValueError(f"no lanes32 decoder for {prec}-bit tables (at most {MAX_PREC_FUSED})")
+    k = len(bufs)
+    Ws = np.empty(k, np.int64)
+    hws = np.empty(k, np.int64)
+    offs = np.zeros(k + 1, np.int64)
+    cols = np.zeros(k + 1, np.int64)
+    raws = []
+    for j, buf in enumerate(bufs):
+        raw = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+        if raw.size % 2:
+            raise FormatError(f"lanes32 payload invalid: {ERROR_TEXT[ERR_SHORT]}")
+        raws.append(raw)
+        Ws[j] = raw.size // 2
+        hws[j] = header_words(C * widths[j])
+        offs[j + 1] = offs[j] + Ws[j] + 2      # two zero pad words after every payload
+        cols[j + 1] = cols[j] + widths[j]
+    w = np.zeros(offs[k], np.uint16)
+    for j, raw in enumerate(raws):
+        w[offs[j]:offs[j] + Ws[j]] = raw[:2 * Ws[j]].view("<u2")
+    ids64 = np.asarray(ids, np.int64)
+    if _path(path) == "portable":
+        err, _ = _objects_portable(w, offs, Ws, hws, ids64, dtab, prec, out, cols)
+    else:
+        from alignpred.entropy import lanes_simd
+
+        err, _ = lanes_simd.decode_simd_objects(w, offs, Ws, hws, ids64, dtab, prec, out, cols)
+    if err != ERR_OK:
+        raise FormatError(f"lanes32 payload invalid: {ERROR_TEXT[err]}")
+    return out
+
+
 def decode(buf, ids: np.ndarray, shape: tuple[int, int], out: np.ndarray | None = None,
            path: str | None = None, prec: int = LANES_PREC) -> np.ndarray:
     """Decode a payload (bytes-like) of ``shape`` (C*N > 0) into ``out`` (int32 [C, N], any

@@ -306,3 +306,14 @@ def decode_simd(w, W, hw, ids, dtab, prec, out):
         x[ln] = xl
         pos[ln] = pl
     return lane_finish(x, pos, end)
+
+
+@njit(cache=True, nogil=True)
+def decode_simd_objects(w, offs, Ws, hws, ids, dtab, prec, out, cols):
+    """:func:`decode_simd` over several objects in one call (the contract of
+    :func:`alignpred.entropy.lanes._objects_portable`); returns ``(error, object)``."""
+    for j in range(Ws.shape[0]):
+        err = decode_simd(w[offs[j]:offs[j + 1]], Ws[j], hws[j], ids, dtab, prec, out[:, cols[j]:cols[j + 1]])
+        if err != ERR_OK:
+            return err, j
+    return ERR_OK, -1

@@ -39,7 +39,7 @@ from alignpred.format.header import check_header, coder_prec, minor_for, tensor_
 from alignpred.format.index import check_index
 from alignpred.format.session import DEFAULT_SESSION, DecoderSession
 from alignpred.io import map_file, release_pages
-from alignpred.threads import blas_single_thread, default_threads, split_rows, stepwise
+from alignpred.threads import blas_single_thread, default_threads, lockstep, split_rows, stepwise
 from alignpred.threads import pool as _pool
 
 #: :meth:`KvzReader.read_into` decodes at most this many tokens (rounded up to whole objects)
@@ -54,18 +54,6 @@ def _inside(ctx, n: int):
         with ctx(), split_rows(n):
             yield
     return both
-
-
-def _lockstep(pool, gens):
-    """Advance several decode generators together (one tensor each per step, in parallel)."""
-    sentinel = object()
-    while True:
-        results = list(pool.map(lambda g: next(g, sentinel), gens))
-        if any(r is sentinel for r in results):
-            if not all(r is sentinel for r in results):
-                raise FormatError("decode groups went out of step")
-            return
-        yield results
 
 
 def _buffer(source):
@@ -273,7 +261,7 @@ class KvzReader:
             raise KvzError(f"output buffer for {name} has dtype {arr.dtype}; give a floating-point buffer")
         return arr
 
-    def _decode(self, a: int, b: int, sel: list, out=None, tier=None, tiled: bool = False):
+    def _decode(self, a: int, b: int, sel: list, out=None, tier=None, tiled: bool = False, whole: bool = False):
         """Yield ``(ti, name, array [kv_heads, b-a, d])`` for the tensors of layers ``sel``.
 
         With ``threads > 1`` the objects of the range are split into contiguous groups decoded
@@ -283,7 +271,9 @@ class KvzReader:
         before yielding, so the working set (the earlier layers' reconstructions that later
         layers are predicted from) is bounded by the tile, not the range; tensors are then
         yielded only once all are decoded (what :meth:`read_into` wants, not a layer-by-layer
-        stream). The decoded bits do not depend on the split (kvz.md §9)."""
+        stream). ``whole``: the caller takes every tensor before using any (:meth:`read`), so the
+        groups run to their ends without waiting for each other tensor by tensor. The decoded
+        bits do not depend on the split (kvz.md §9)."""
         lay = self.layout
         S = self.config.object_size
         j0, j1 = a // S, -(-b // S)
@@ -331,7 +321,7 @@ class KvzReader:
                 steps = ([r] for r in gens[0])
             else:
                 pool = _pool(len(gens))
-                steps = _lockstep(pool, gens)
+                steps = lockstep(pool, gens, whole or bool(tile))
             for results in stepwise(blas, steps):
                 ti, name, _ = results[0]
                 arr = dests.pop(ti)
@@ -355,9 +345,12 @@ class KvzReader:
         ``[kv_heads, b-a, d]``) values are written into the caller's buffers, which are yielded.
         ``tier``: ``"coarse"`` (the lossy tier alone) or ``"exact"`` (refined to the original bits;
         only in files written with ``lossless``); default: the best the file has (:attr:`tiers`)."""
+        return self._named(tokens, layers, out, tier, whole=False)
+
+    def _named(self, tokens, layers, out, tier, whole: bool):
         lay = self.layout
         a, b, sel = self._range(tokens, layers)
-        for _, name, arr in self._decode(a, b, sel, out, tier):
+        for _, name, arr in self._decode(a, b, sel, out, tier, whole=whole):
             if out is None and lay.batch_dim:
                 arr = arr[None]
             yield name, arr
@@ -386,7 +379,7 @@ class KvzReader:
 
     def read(self, tokens=None, layers=None, tier=None) -> dict:
         """Decode into ``{name: array}`` (the source's names, shapes and dtype)."""
-        return dict(self.iter_layers(tokens, layers, tier=tier))
+        return dict(self._named(tokens, layers, None, tier, whole=True))
 
     def read_into(self, out, tokens=None, layers=None, tier=None):
         """Decode into the caller's buffers (see :meth:`iter_layers`); returns ``out``. Memory

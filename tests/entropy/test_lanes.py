@@ -407,3 +407,60 @@ def test_a_lanes32_file_is_format_1_2_and_decodes_like_rans4():
     assert hdr["version"] == [1, 2]
     with pytest.raises(FormatError):
         KvzReader(bytes(bad), bank=bank)
+
+
+# --- several objects in one call (what the decoder does per tensor) -----------------------
+def _objects(widths, C=5, seed=3):
+    q = _mixed(np.random.default_rng(seed), C, sum(widths))
+    ids = E.choose_models(q)
+    cols = np.cumsum([0] + list(widths))
+    bufs = [E.encode(np.ascontiguousarray(q[:, a:b]), ids, coder=CODER) for a, b in zip(cols[:-1], cols[1:])]
+    return q, ids, bufs
+
+
+@pytest.mark.parametrize("path", ["simd", "portable"])
+@pytest.mark.parametrize("widths", [[256], [256, 256, 97], [31, 1, 64, 33], [0, 40, 0, 7]])
+def test_decode_objects_equals_one_decode_per_object(widths, path):
+    q, ids, bufs = _objects(widths)
+    big = np.full((q.shape[0], q.shape[1] + 9), -7, np.int32)
+    out = big[:, 4:4 + q.shape[1]]                    # strided columns of a larger array
+    nonzero = [(b, w) for b, w in zip(bufs, widths) if w]
+    lanes.decode_objects([b for b, _ in nonzero], ids, q.shape[0], [w for _, w in nonzero], out, path=path)
+    np.testing.assert_array_equal(out, q)
+    assert (big[:, :4] == -7).all() and (big[:, 4 + q.shape[1]:] == -7).all()
+    got = E.decode_objects(bufs, ids, q.shape[0], widths, CODER, np.empty(q.shape, np.int32))
+    np.testing.assert_array_equal(got, q)
+
+
+@pytest.mark.parametrize("path", ["simd", "portable"])
+def test_decode_objects_raises_the_error_of_the_damaged_object(path):
+    q, ids, bufs = _objects([64, 64, 64])
+    for j in range(3):
+        for cut in (1, 2, 7):
+            damaged = list(bufs)
+            damaged[j] = bufs[j][:-cut]
+            with pytest.raises(FormatError) as one:
+                lanes.decode(damaged[j], ids, (q.shape[0], 64), path=path)
+            with pytest.raises(FormatError) as many:
+                lanes.decode_objects(damaged, ids, q.shape[0], [64] * 3, np.empty(q.shape, np.int32), path=path)
+            assert str(many.value) == str(one.value)
+    for bad in (b"", b"\1", bufs[2][:-2]):    # empty, odd length, truncated
+        with pytest.raises(FormatError) as one:
+            E.decode(bad, ids, (q.shape[0], 64), CODER)
+        with pytest.raises(FormatError) as many:
+            E.decode_objects([bufs[0], bad], ids, q.shape[0], [64, 64], CODER, np.empty((q.shape[0], 128), np.int32))
+        assert str(many.value) == str(one.value)
+    with pytest.raises(FormatError, match="non-empty payload"):
+        E.decode_objects([bufs[0], b"\0\0"], ids, q.shape[0], [64, 0], CODER, np.empty((q.shape[0], 64), np.int32))
+    with pytest.raises(FormatError, match="model id"):
+        E.decode_objects(bufs, np.full(q.shape[0], 10**6), q.shape[0], [64] * 3, CODER, np.empty(q.shape, np.int32))
+    with pytest.raises(ValueError, match="out must be"):
+        lanes.decode_objects(bufs, ids, q.shape[0], [64] * 3, np.empty((q.shape[0], 190), np.int32))
+
+
+def test_decode_objects_of_other_coders_decode_one_by_one():
+    q, ids, _ = _objects([50, 30], C=3)
+    bufs = [E.encode(np.ascontiguousarray(q[:, :50]), ids, coder="rans4"),
+            E.encode(np.ascontiguousarray(q[:, 50:]), ids, coder="rans4")]
+    got = E.decode_objects(bufs, ids, 3, [50, 30], "rans4", np.empty((3, 80), np.int32))
+    np.testing.assert_array_equal(got, q)
