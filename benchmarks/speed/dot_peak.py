@@ -2,9 +2,11 @@
 
 ``benchmarks/native/dot_peak.c`` (compiled here with ``gcc -O3 -march=native``, not part of the
 package build) runs 12 independent register-only chains of the instructions the exact map kernel
-lowers to: ``vpdpwssd`` zmm (AVX512-VNNI, 32 int16 multiply-adds each) and ``vpmaddwd`` +
-``vpaddd`` ymm (AVX2, 16). The best of ``reps`` timed calls of each is its throughput; the peak
-is the faster ISA the CPU has."""
+lowers to: ``vpdpwssd`` zmm (AVX512-VNNI, 32 int16 multiply-adds each), ``vpmaddwd`` +
+``vpaddd`` ymm (AVX2, 16), and AMX ``tdpbssd`` on six accumulator tiles (16 x 16 x 64 int8
+multiply-adds each; counted as a quarter as many int16 ones, the four byte products the AMX map
+kernel forms each int16 product from). The best of ``reps`` timed calls of each is its
+throughput; the peak is the fastest the CPU (and, for AMX, the OS) allows."""
 from __future__ import annotations
 
 import ctypes
@@ -13,8 +15,12 @@ import tempfile
 import time
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native", "dot_peak.c")
-PROBES = {"vpdpwssd zmm (AVX512-VNNI)": ("dot_peak_vnni512", 32), "vpmaddwd+vpaddd ymm (AVX2)": ("dot_peak_madd256", 16)}
 CHAINS = 12
+#: label: (function, int16 multiply-adds per loop iteration). AMX counts a quarter of its int8
+#: multiply-adds: the AMX map kernel forms each int16 product from four int8 tile products.
+PROBES = {"vpdpwssd zmm (AVX512-VNNI)": ("dot_peak_vnni512", CHAINS * 32),
+          "vpmaddwd+vpaddd ymm (AVX2)": ("dot_peak_madd256", CHAINS * 16),
+          "tdpbssd (AMX-INT8), int16 equivalent": ("dot_peak_amx_int8", 6 * 16 * 16 * 64 // 4)}
 NO_ISA = -(2 ** 63)
 
 
@@ -40,9 +46,9 @@ def dot_peak(reps: int = 7, iters: int = 2_000_000) -> dict:
                 t0 = time.perf_counter()
                 f(iters, 7)
                 best = min(best, time.perf_counter() - t0)
-            probes[label] = iters * CHAINS * macs / best / 1e9
+            probes[label] = iters * macs / best / 1e9
     have = {k: v for k, v in probes.items() if v}
     if not have:
-        return {"probes": probes, "error": "neither AVX512-VNNI nor AVX2"}
+        return {"probes": probes, "error": "none of AVX512-VNNI, AVX2, AMX-INT8"}
     top = max(have, key=lambda k: have[k])
     return {"probes": probes, "peak_gmacs": have[top], "instruction": top, "chains": CHAINS, "iters": iters}
