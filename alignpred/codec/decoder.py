@@ -150,6 +150,7 @@ class Decoder(Chain):
             meta = metas[ti]
             q, deltas, zero = self._symbols(meta.models, fetch, ti, j0, j1, n_rows, meta.name)
             delta_rows, zr = self.delta_rows(deltas, zero, start, n_rows, layer, meta.row_steps())
+            any_zero = bool(zero.any())   # once per tensor (zr.any() per block held the GIL)
             emit = layer in wanted
 
             dst: Any = None
@@ -164,8 +165,8 @@ class Decoder(Chain):
                 qh = q[h * d:(h + 1) * d]
                 if self.config.arith == "exact":
                     with self._stage("post"):
-                        rec = self._block_exact(base, qh, delta_rows, zr, m, blk, start, dst[h] if emit else None,
-                                                meta.channel_steps(h, d))
+                        rec = self._block_exact(base, qh, delta_rows, zr if any_zero else None, m, blk, start,
+                                                dst[h] if emit else None, meta.channel_steps(h, d))
                     if plan.block in self._last_use:
                         recon[blk.name] = rec
                     self.prune(recon, blk.name)
@@ -175,13 +176,13 @@ class Decoder(Chain):
                 if len(interp):  # odd rows of interpolated channels depend on their even neighbours
                     wh = dequantize_residual(qh[interp].T, delta_rows, np.ones(len(interp), bool), S)
                     rec[:, interp] = base[:, interp] + wh
-                if zr.any():
+                if any_zero:
                     rec[zr] = self.frame.zero_image(blk)
                 if plan.block in self._last_use:
                     recon[blk.name] = rec
                 if emit:
                     x = self.frame.to_native(rec, blk, start)
-                    if zr.any():
+                    if any_zero:
                         x[zr] = 0
                     dst[h] = x
                 self.prune(recon, blk.name)
@@ -194,7 +195,8 @@ class Decoder(Chain):
     def _block_exact(self, base, qh, delta_rows, zr, modes, blk, start: int, dst, chan=None):
         """One block of a format-1.1 file in one fused pass (:func:`alignpred.kernels.fused.fused_post`):
         dequantise, interpolate, reconstruct (in place in ``base``), and — when ``dst`` is given
-        — mean, RoPE, clip and cast straight into ``dst [rows, d]``. Returns the reconstruction."""
+        — mean, RoPE, clip and cast straight into ``dst [rows, d]``; ``zr``: the zero rows' mask, or
+        None when there are none. Returns the reconstruction."""
         plan = self.plans[blk.name]
         fr = self.frame
         n = base.shape[0]
@@ -204,7 +206,7 @@ class Decoder(Chain):
             native = np.empty((n, base.shape[1]), fr.out_dtype)
         fused_post(rec, qh, delta_rows, (modes & INTERP) != 0, self.config.object_size, plan.mean,
                    fr.rope_args(blk, start, n), fr.fmax, fr.out_dtype, rec=rec, native=native, chan=chan)
-        if zr.any():
+        if zr is not None:
             rec[zr] = fr.zero_image(blk)
             native[zr] = 0
         if dst is not None and native is not dst:

@@ -33,10 +33,24 @@ class BlockPlan:
     object_size: int = 256
     data: dict = field(default_factory=dict)  # predictor name -> its data
     sources: set = field(default_factory=set)  # blocks this block's predictions read
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # _kinds by modes
 
     def modes(self) -> list[int]:
         """The modes a channel of this block may use."""
         return candidate_modes(self.config, set(self.data))
+
+    def _kinds(self, modes: np.ndarray) -> tuple:
+        """``(modes & BASE_MASK, its sorted distinct predictor ids, the ZERO channels' indices)``,
+        kept per distinct ``modes`` (a file's modes are fixed: a decode asks the same again)."""
+        key = (modes.dtype.str, modes.shape, modes.tobytes())
+        hit = self._memo.get(key)
+        if hit is None:
+            ids = modes & BASE_MASK
+            ids.setflags(write=False)
+            hit = (ids, np.unique(ids).tolist(), np.flatnonzero(ids == ZERO))
+            if len(self._memo) < 64:
+                self._memo[key] = hit
+        return hit
 
     def base(self, mode: int, recon: dict) -> np.ndarray | None:
         """Base prediction ``[n, d]`` of ``mode``'s predictor (None for ``ZERO``)."""
@@ -45,8 +59,7 @@ class BlockPlan:
     def predict(self, modes: np.ndarray, recon: dict, n: int, bases: dict | None = None) -> np.ndarray:
         """Base prediction ``[n, d]`` with each channel's own mode (float32). ``bases`` may hold
         base predictions already computed from the same ``recon`` (by predictor id)."""
-        ids = modes & BASE_MASK
-        kinds = np.unique(ids).tolist()
+        ids, kinds, zero_cols = self._kinds(modes)
         if kinds == [ZERO]:
             return np.zeros((n, self.mean.shape[0]), np.float32)
 
@@ -59,7 +72,7 @@ class BlockPlan:
             # one predictor and some ZERO channels: zero those columns of its fresh prediction
             # (the values np.where below would give, without a second [n, d] pass)
             out = np.asarray(base(kinds[1]), np.float32)
-            out[:, ids == ZERO] = 0.0
+            out[:, zero_cols] = 0.0
             return out
         out = np.zeros((n, self.mean.shape[0]), np.float32)
         for bb in kinds:

@@ -64,7 +64,14 @@ import threading
 
 import numpy as np
 
-from alignpred.kernels.intmap_amx import AMX_K_MAX, amx_enabled, amx_from_panels, map_predict_amx, predict_amx
+from alignpred.kernels.intmap_amx import (
+    AMX_K_MAX,
+    amx_enabled,
+    amx_from_panels,
+    map_predict_amx,
+    predict_amx,
+    stack_scales,
+)
 from alignpred.kernels.intmap_block import (  # noqa: F401
     _MAGIC32,
     _MAGIC64,
@@ -187,7 +194,8 @@ class IntMap:
                 r = self._ready
                 if r is None and self._args is not None:
                     wp, w_exp, sh = prepare_weights(self._args[0], self.n_src, self._args[1])
-                    r = self._ready = (block_weights(wp), w_exp, sh, [_row_scales(sh[s]) for s in range(self.n_src)])
+                    scales = [_row_scales(sh[s]) for s in range(self.n_src)]
+                    r = self._ready = (block_weights(wp), w_exp, sh, scales, stack_scales(scales))
                     self._args = None
         assert r is not None
         return r
@@ -226,7 +234,7 @@ class IntMap:
     def quantize(self, srcs, xq: np.ndarray | None = None):
         """Quantise the sources: ``(xq int16 [S, n, d_pad], x_exp int32 [S, n])``."""
         n = srcs[0].shape[0]
-        wb, _, _, scales = self._prepared()
+        wb, _, _, scales, _ = self._prepared()
         kp2 = 2 * wb.shape[2]
         if xq is None:
             xq = np.empty((self.n_src, n, kp2), np.int16)
@@ -241,13 +249,14 @@ class IntMap:
 
     def _predict_amx(self, xs: list, out: np.ndarray, amx: tuple) -> None:
         """Rows ``xs`` (checked) through :func:`~alignpred.kernels.intmap_amx.predict_amx` into ``out``."""
-        wb, w_exp, _, scales = self._prepared()
+        wb, w_exp, _, _, stacked = self._prepared()
         n = out.shape[0]
         for k, x in enumerate(xs):
             if x.shape != (n, self.d_in):
                 raise ValueError(f"source {k} has shape {x.shape}, expected ({n}, {self.d_in})")
         target = _kernel_out(out)
-        predict_amx(xs, scales, 2 * wb.shape[2], amx, _padded_exp(w_exp, target.shape[1]), target)
+        predict_amx(xs, stacked, 2 * wb.shape[2], amx, _padded_exp(w_exp, target.shape[1]), target,
+                    AMX_ROWS)
         if target is not out:
             out[:] = target[:, :self.d_out]
 
@@ -270,9 +279,7 @@ class IntMap:
                 xq, x_exp = self.quantize([x[a:b] for x in srcs])
                 map_predict(xq, x_exp, wp, w_exp, o[a:b], self.d_out)
                 return
-            for c in range(a, b, AMX_ROWS):      # the byte planes of a row chunk stay in L2
-                d = min(b, c + AMX_ROWS)
-                self._predict_amx([x[c:d] for x in srcs], o[c:d], amx)
+            self._predict_amx([x[a:b] for x in srcs], o[a:b], amx)   # AMX_ROWS rows at a time
 
         if k <= 1:
             part(0, n)

@@ -58,7 +58,7 @@ from alignpred.kernels.intmap_block import (
     aligned_empty,
     unblock_weights,
 )
-from alignpred.kernels.intmap_rows import _quantize_planes
+from alignpred.kernels.intmap_rows import _quantize_into
 
 AMX_K_MAX = 33024                # channels per source: 65025 * K < 2**31
 _I8 = ir.IntType(8)
@@ -416,19 +416,40 @@ def map_predict_amx(xq: np.ndarray, x_exp: np.ndarray, amx: tuple[np.ndarray, np
     _products(xh, xl, x_exp, amx[0], amx[1], w_exp, out, _CFG, acc)
 
 
-def predict_amx(xs: list, scales: list, K2: int, amx: tuple[np.ndarray, np.ndarray], w_exp: np.ndarray,
-                out: np.ndarray) -> None:
-    """Quantise the source rows ``xs`` (float32 ``[n, d]`` each; ``scales[s]``: source ``s``'s
-    :func:`~alignpred.kernels.intmap_rows._row_scales`) straight into the AMX byte planes and write
-    the prediction into ``out`` (float32 ``[n, m]``, ``m % 16 == 0``, unit column stride): the
-    integers and bits of quantising to int16 and :func:`map_predict_amx`, without the int16 pass."""
+def stack_scales(scales: list) -> tuple:
+    """The sources' :func:`~alignpred.kernels.intmap_rows._row_scales` as :func:`predict_amx`
+    takes them: ``pscale`` float64 ``[S, d]``, ``p32`` float32 ``[S, d]``, ``smin``, ``smax`` int64 ``[S]``."""
+    return (np.ascontiguousarray(np.stack([sc[0] for sc in scales]), np.float64),
+            np.ascontiguousarray(np.stack([sc[1] for sc in scales]), np.float32),
+            np.array([sc[2] for sc in scales], np.int64), np.array([sc[3] for sc in scales], np.int64))
+
+
+@njit(cache=True, nogil=True)
+def _predict_rows(xs, pscale, p32, smin, smax, K2, rows, wh, wl, w_exp, out, cfg, xh, xl, acc):
+    """:func:`predict_amx` in one call: ``rows`` rows at a time (their byte planes stay in L2),
+    every source quantised into the planes, then the tile products of those rows."""
+    S, n = len(xs), out.shape[0]
+    K64 = -(-K2 // 64) * 64
+    no_rows = np.zeros((0, 0), np.int16)   # the int16 rows _quantize_into does not write here
+    for c in range(0, n, rows):
+        d = min(n, c + rows)
+        n16 = -(-(d - c) // 16) * 16
+        x_exp = np.empty((S, d - c), np.int32)
+        for s in range(S):   # source s's rows at the flat planes' [s, t, :] ([S, n16, K64])
+            _quantize_into(xs[s][c:d], pscale[s], p32[s], smin[s], smax[s], K2, no_rows, xh, xl, s * n16 * K64,
+                           K64, x_exp[s], True)
+        _products(xh, xl, x_exp, wh, wl, w_exp, out[c:d], cfg, acc)
+
+
+def predict_amx(xs: list, scales: tuple, K2: int, amx: tuple[np.ndarray, np.ndarray], w_exp: np.ndarray,
+                out: np.ndarray, rows: int = 512) -> None:
+    """Quantise the source rows ``xs`` (float32 ``[n, d]`` each; ``scales``: the sources'
+    :func:`stack_scales`) straight into the AMX byte planes and write the prediction into ``out``
+    (float32 ``[n, m]``, ``m % 16 == 0``, unit column stride), ``rows`` rows at a time, in one
+    kernel call: the integers and bits of quantising to int16 and :func:`map_predict_amx`,
+    without the int16 pass."""
     S, n = len(xs), out.shape[0]
     _check(amx, S, K2, out.shape[1], w_exp)
-    xh, xl, acc = _scratch(S, n, K2)
-    x_exp = np.empty((S, n), np.int32)
-    K64, n16 = -(-K2 // 64) * 64, -(-n // 16) * 16
-    for s in range(S):   # source s's rows at the flat planes' [s, t, :] ([S, n16, K64])
-        pscale, p32, lo, hi = scales[s]
-        _quantize_planes(np.ascontiguousarray(xs[s], np.float32), pscale, p32, lo, hi, K2, xh, xl, s * n16 * K64, K64,
-                         x_exp[s])
-    _products(xh, xl, x_exp, amx[0], amx[1], w_exp, out, _CFG, acc)
+    xh, xl, acc = _scratch(S, min(n, rows), K2)
+    src = tuple(np.ascontiguousarray(x, np.float32) for x in xs)
+    _predict_rows(src, *scales, K2, rows, amx[0], amx[1], w_exp, out, _CFG, xh, xl, acc)
