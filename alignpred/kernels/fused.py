@@ -29,6 +29,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from alignpred.kernels.fused_rows import bf16_ir, f16_ir, plain_row_bf16, plain_row_f16, plain_row_f32
+
 # out kinds
 OUT_F32, OUT_BF16, OUT_F16 = 0, 1, 2
 
@@ -180,64 +182,34 @@ def _clip(v, fmax):
     return -fmax if v < -fmax else v
 
 
-# The casts are written in LLVM IR on 32-bit integers: numba would widen uint32 arithmetic to 64
-# bits, which halves the vector width of the loops that call them (the same bits: every value they
-# keep fits in 32 bits).
-
-def _u32(v):
-    return ir.Constant(ir.IntType(32), v)
-
+# The casts are LLVM IR on 32-bit integers (numba would widen uint32 arithmetic to 64 bits, which
+# halves the vector width of the loops that call them), the same IR as the row kernels' vectors.
 
 @intrinsic
 def _bf16(typingctx, v):
-    """float32 -> bfloat16 bits: round to nearest even; nan -> sign | 0x7fc0 (ml_dtypes)."""
+    """float32 -> bfloat16 bits (:func:`~alignpred.kernels.fused_rows.bf16_ir`)."""
     def codegen(context, builder, sig, args):
-        u = builder.bitcast(args[0], ir.IntType(32))
-        a = builder.and_(u, _u32(0x7FFFFFFF))
-        hi = builder.lshr(u, _u32(16))
-        rne = builder.lshr(builder.add(builder.add(u, _u32(0x7FFF)), builder.and_(hi, _u32(1))), _u32(16))
-        nanv = builder.or_(builder.and_(hi, _u32(0x8000)), _u32(0x7FC0))
-        out = builder.select(builder.icmp_unsigned(">", a, _u32(0x7F800000)), nanv, rne)
-        return builder.trunc(out, ir.IntType(16))
+        return bf16_ir(builder, args[0])
     return types.uint16(types.float32), codegen
 
 
 @intrinsic
 def _f16(typingctx, v):
-    """float32 -> float16 bits as numpy: round to nearest even (subnormals included), overflow
-    to inf, nan -> sign | 0x7c00 | top 10 payload bits (0x7c01 if those are zero)."""
+    """float32 -> float16 bits as numpy (:func:`~alignpred.kernels.fused_rows.f16_ir`)."""
     def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
-        x = args[0]
-        u = builder.bitcast(x, ir.IntType(32))
-        sgn = builder.and_(builder.lshr(u, _u32(16)), _u32(0x8000))
-        a = builder.and_(u, _u32(0x7FFFFFFF))
-        # normal half: rebias the exponent (127 -> 15), round the 13 dropped bits to even
-        a13 = builder.lshr(a, _u32(13))
-        nrm = builder.lshr(builder.add(builder.add(builder.sub(a, _u32(0x38000000)), _u32(0xFFF)),
-                                       builder.and_(a13, _u32(1))), _u32(13))
-        # subnormal half: |v| * 2**24 (exact) rounded to an integer; clamped below 2048 (nan too)
-        # so that the (unused, for larger |v|) conversion stays defined
-        sv = builder.fmul(builder.bitcast(a, f32), ir.Constant(f32, 16777216.0))
-        sv = builder.select(builder.fcmp_ordered("<", sv, ir.Constant(f32, 2048.0)), sv, ir.Constant(f32, 2048.0))
-        mg = ir.Constant(f32, 12582912.0)
-        sub = builder.fptosi(builder.fsub(builder.fadd(sv, mg), mg), ir.IntType(32))
-        nanh = builder.or_(_u32(0x7C00), builder.and_(a13, _u32(0x3FF)))
-        nanh = builder.select(builder.icmp_unsigned("==", nanh, _u32(0x7C00)), _u32(0x7C01), nanh)
-        hv = builder.select(builder.icmp_unsigned(">=", a, _u32(0x38800000)), nrm, sub)
-        hv = builder.select(builder.icmp_unsigned(">=", a, _u32(0x477FF000)), _u32(0x7C00), hv)
-        hv = builder.select(builder.icmp_unsigned(">", a, _u32(0x7F800000)), nanh, hv)
-        return builder.trunc(builder.or_(sgn, hv), ir.IntType(16))
+        return f16_ir(builder, args[0])
     return types.uint16(types.float32), codegen
 
 
 @njit(cache=True, nogil=True)
 def _post(base, q, delta, chan, has_chan, interp, S, mean, cos, sin, r, interleaved, fmax, kind, rec, nat32, nat16,
-          qt, xrow, vrow, srow):
+          qt, xrow, vrow, srow, vec):
     """One block.  base [n, d] f32; q [d, n] i32 (C order); delta [n] f32; chan [d] f32 (step
     multipliers; read when has_chan); interp [d] u8; mean [d] f32; cos/sin [n, r/2] f32 (r = 0: no
     rope); rec [n, d] f32 (may be base); nat32 [n, d] f32 (kind 0) or nat16 [n, d] u16 (kinds 1, 2);
-    scratch qt [TILE+1, d] i32, xrow, vrow [d] f32, srow [3, d] f32 (steps of rows t-1, t, t+1)."""
+    scratch qt [TILE+1, d] i32, xrow, vrow [d] f32, srow [3, d] f32 (steps of rows t-1, t, t+1).
+    ``vec``: plain rows take the vector row kernels (:mod:`~alignpred.kernels.fused_rows`; the
+    caller checked their preconditions)."""
     n, d = base.shape
     h = r // 2
     any_interp = False
@@ -252,6 +224,14 @@ def _post(base, q, delta, chan, has_chan, interp, S, mean, cos, sin, r, interlea
         for t in range(t0, t1):
             lt = t - t0
             dt = delta[t]
+            if vec and not has_chan and not (any_interp and (t & 1) == 1):
+                if kind == OUT_F32:
+                    plain_row_f32(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat32, fmax)
+                elif kind == OUT_BF16:
+                    plain_row_bf16(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat16, fmax)
+                else:
+                    plain_row_f16(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat16, fmax)
+                continue
             if has_chan:  # the steps of this row (and its neighbours) per channel
                 for c in range(d):
                     srow[1, c] = dt * chan[c]
@@ -400,6 +380,10 @@ def fused_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype,
     chan = np.ascontiguousarray(chan, np.float32) if has_chan else np.ones(d, np.float32)
     if chan.shape != (d,):
         raise ValueError("chan [d] expected")
+    # the vector row kernels' preconditions (fused_rows): whole vectors, half pairing, unit column strides
+    vec = (d % 16 == 0 and (r // 2) % 16 == 0 and not (r and interleaved)
+           and all(a.strides[1] == a.itemsize for a in (base, rec, native, cos, sin) if a.shape[0] and a.shape[1]))
     _post(base, q, delta, chan, has_chan, interp_u8, int(object_size), mean, cos, sin, r, interleaved,
-          np.float32(fmax), kind, rec, nat32, nat16, qt, xrow, np.empty(d, np.float32), np.empty((3, d), np.float32))
+          np.float32(fmax), kind, rec, nat32, nat16, qt, xrow, np.empty(d, np.float32), np.empty((3, d), np.float32),
+          vec)
     return rec, native
