@@ -47,11 +47,11 @@ from .paths import (
     sample_caches,
     stem,
 )
-from .timing import Op, children_cpu, cpu_probe, median, median_time, pmap, run_interleaved, timing
+from .timing import Op, children_cpu, cpu_probe, median, median_time, pmap, run_interleaved, timing, warm_cores
 
 __all__ = ["BANK_NAME", "CALIB_DIR", "EVAL_DIR", "NO_EVAL", "Op", "RESULTS", "ROOT", "SAMPLES", "TEXTS",
            "THREAD_VARS", "WARM_SAMPLE", "all_threads", "bank_file", "bundled_bank", "caches_in", "children_cpu",
            "clean_env", "code_revision", "command_line", "cpu_name", "cpu_probe", "default_caches", "display_path",
            "eval_caches", "json_default", "limit_threads", "loadavg", "machine_info", "median", "median_time",
            "package_versions", "parse_env", "parser", "pin_threads", "pmap", "pyplot", "read_json", "resolve_bank", "run_interleaved",
-           "sample_caches", "save_figure", "stem", "thread_counts", "timing", "write_json", "write_text"]
+           "sample_caches", "save_figure", "stem", "thread_counts", "timing", "warm_cores", "write_json", "write_text"]

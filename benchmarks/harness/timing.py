@@ -50,9 +50,30 @@ class Op:
     cpus: list = field(default_factory=list)
 
 
-def run_interleaved(ops: list[Op], rounds: int, label: str = "", log: Callable[[str], None] | None = None) -> None:
+def warm_cores(seconds: float, threads: int | None = None) -> None:
+    """Keep ``threads`` cores (default: all this process may use) busy for ``seconds`` with GIL-free
+    numpy work. On a VM a core left idle for ~0.1 s comes back slowly (measured on the 2-vCPU Xeon
+    this suite was written on: a 2-thread decode took 104 ms after 0.15 s idle, 76 ms after 30 ms of
+    this), which would charge a multi-threaded op for the single-threaded ops timed before it."""
+    import numpy as np
+
+    n = threads or max(thread_counts())
+    deadline = time.perf_counter() + seconds
+
+    def spin(_=None):
+        a = np.ones(1 << 16, np.float64)
+        while time.perf_counter() < deadline:
+            np.sqrt(a, out=a)
+
+    pmap(n, spin, range(n))
+
+
+def run_interleaved(ops: list[Op], rounds: int, label: str = "", log: Callable[[str], None] | None = None,
+                    warm_s: float = 0.0) -> None:
     """Run every op once per round, the order rotated (and reversed every other round) so that a noisy
-    stretch of a shared machine hits all methods alike; walls and CPU times are appended to each op."""
+    stretch of a shared machine hits all methods alike; walls and CPU times are appended to each op.
+    ``warm_s``: before each op (untimed) every core is kept busy that long (:func:`warm_cores`), so
+    each op starts on cores at speed."""
     n = len(ops)
     for r in range(rounds):
         order = ops[r % n:] + ops[:r % n] if n else []
@@ -62,6 +83,8 @@ def run_interleaved(ops: list[Op], rounds: int, label: str = "", log: Callable[[
             if op.rounds is not None and r >= op.rounds:
                 continue
             gc.collect()
+            if warm_s > 0:
+                warm_cores(warm_s)
             k0, c0, t0 = children_cpu(), time.process_time(), time.perf_counter()
             op.fn()
             op.walls.append(time.perf_counter() - t0)

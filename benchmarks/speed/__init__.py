@@ -16,7 +16,10 @@ caches; ``--quick``: the first two, fewer repeats, a 4,096-token prefill):
    threads" runs split the tensors (LMCache: the layers) over a thread pool of that size. Methods are
    *interleaved* (every round runs each method once, in a rotated order) and each figure is the median
    of its rounds, with the CPU time of the process next to the wall time (under load the CPU time is
-   the steadier figure for one thread).
+   the steadier figure for one thread). Each timed op starts on warm cores (30 ms of GIL-free work on
+   all of them first, untimed: a VM's core idle for ~0.1 s comes back slowly, which charged the
+   multi-threaded ops for the single-threaded ones timed before them); one probe times kvz's
+   multi-threaded decode after idle cores and after the warm-up, and the summary states both.
 2. **kvz 0.1 side by side** - the last 0.1 commit (``d9e1fc2``, a git worktree at ``--kvz01``,
    created if absent) and this tree, each in a fresh subprocess (``PYTHONPATH`` = that tree), warmed
    on a bundled sample, then timed on the same caches: encode/decode values/s and bpv of both.
@@ -59,10 +62,10 @@ import importlib
 
 # module (relative to this package) -> the names it gives the package
 _MODULES = {
-    '.config': ('BANK', 'BATCH_FILES', 'BLAS1', 'CHUNK_THREADS', 'CODECS', 'ENV_TOLERANCE', 'EPS', 'KVZ01_COMMIT', 'KVZ01_DIR', 'PRESETS', 'PROJECTED_CORES', 'PUBLISHED_ENTROPY', 'SCHEMA', 'SCOPE', 'SECTIONS', 'log'),
+    '.config': ('BANK', 'BATCH_FILES', 'BLAS1', 'CHUNK_THREADS', 'CODECS', 'ENV_TOLERANCE', 'EPS', 'IDLE_S', 'KVZ01_COMMIT', 'KVZ01_DIR', 'PRESETS', 'PROJECTED_CORES', 'PUBLISHED_ENTROPY', 'SCHEMA', 'SCOPE', 'SECTIONS', 'WARM_S', 'log'),
     '.measures': ('arrays_digest', 'break_even', 'ns_per_symbol', 'projected_break_even'),
     '.codecs': ('BaselineCodec', 'KvzCodec', 'LMCacheCodec', 'lmcache_status', 'make_codecs'),
-    '.codec_study': ('aggregate', 'by_cores', 'codec_section', 'decode_identity', 'make_row'),
+    '.codec_study': ('aggregate', 'by_cores', 'codec_section', 'decode_identity', 'idle_core_probe', 'make_row'),
     '.entropy_stage': ('entropy_section', 'entropy_timing', 'published_entropy', 'spaced'),
     '.one_chunk': ('chunk_range', 'chunk_section'),
     '.processes': ('ensure_kvz01', 'run_worker', 'summarize_env', 'summarize_versions', 'version_env_section'),

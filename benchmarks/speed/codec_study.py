@@ -1,6 +1,8 @@
 """Section 1: in-process encode/decode speed of every codec on every cache, interleaved rounds,
 one row per (cache, codec, op, threads), the rows aggregated over the caches, and the break-even link
-speed by core count (measured at 1 and 2 threads, projected linearly to 16 and 64 cores)."""
+speed by core count (measured at 1 and 2 threads, projected linearly to 16 and 64 cores). Every timed
+op starts on warm cores (``WARM_S`` of GIL-free work on all of them, untimed), and one probe says
+what that takes out (:func:`idle_core_probe`)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ..harness import Op, run_interleaved, thread_counts, timing
+from ..harness import Op, median, run_interleaved, thread_counts, timing, warm_cores
 from .codecs import KvzCodec, lmcache_status, make_codecs
-from .config import CODECS, EPS, PROJECTED_CORES, log
+from .config import CODECS, EPS, IDLE_S, PROJECTED_CORES, WARM_S, log
 from .measures import arrays_digest, break_even, projected_break_even
 
 
@@ -26,6 +28,7 @@ def codec_section(caches: list[tuple[str, Any]], bank, *, codecs=CODECS, threads
     rows: list[dict] = []
     skipped: dict = {}
     identity: dict = {}
+    idle_core: dict | None = None
     torch_threads = None
     if "lmcache_k16v8" in codecs and lmcache_status()[0]:
         import torch
@@ -61,7 +64,9 @@ def codec_section(caches: list[tuple[str, Any]], bank, *, codecs=CODECS, threads
                         fn = getattr(c, op)
                         ops.append(Op(c.name, op, th, (lambda f=fn, t=th: f(t)),
                                       rounds=enc_rounds if op == "encode" else None))
-            run_interleaved(ops, rounds, label=name if progress else "", log=log)
+            run_interleaved(ops, rounds, label=name if progress else "", log=log, warm_s=WARM_S)
+            if idle_core is None and max(threads) > 1:
+                idle_core = idle_core_probe(name, objs, max(threads))
             for op in ops:
                 q = quality[op.codec]
                 rows.append(make_row(name, op.codec, op.op, op.threads, n, raw, q, timing(op.walls, op.cpus)))
@@ -80,7 +85,26 @@ def codec_section(caches: list[tuple[str, Any]], bank, *, codecs=CODECS, threads
             import torch
 
             torch.set_num_threads(torch_threads)
-    return {"rows": rows, "skipped": skipped, "identity": identity}
+    return {"rows": rows, "skipped": skipped, "identity": identity, "idle_core": idle_core}
+
+
+def idle_core_probe(cache: str, objs: list, threads: int, repeats: int = 5) -> dict | None:
+    """What the warm-up (``WARM_S``) takes out of the timings: kvz's multi-threaded decode (the
+    ``balanced`` profile when present) after ``IDLE_S`` with the cores idle, and after ``WARM_S``
+    with them busy (medians of ``repeats``, alternating)."""
+    ks = [c for c in objs if isinstance(c, KvzCodec)]
+    if not ks:
+        return None
+    c = next((k for k in ks if k.name == "kvz-balanced"), ks[0])
+    idle, warm = [], []
+    for _ in range(repeats):
+        for prep, ts in ((lambda: time.sleep(IDLE_S), idle), (lambda: warm_cores(WARM_S), warm)):
+            prep()
+            t0 = time.perf_counter()
+            c.decode(threads)
+            ts.append(time.perf_counter() - t0)
+    return {"cache": cache, "codec": c.name, "threads": threads, "idle_s": IDLE_S, "warm_s": WARM_S,
+            "after_idle_s": median(idle), "after_warm_s": median(warm), "idle_runs": idle, "warm_runs": warm}
 
 
 def decode_identity(c: KvzCodec, first: dict, threads=(1, 2, 4)) -> dict:

@@ -13,6 +13,8 @@ SCHEMA = "kvz-speed/1"
 CODECS = ("kvz", "kvz-balanced", "kvz-fast", "sz3", "fp8_e4m3", "zstd-3", "zstd-19", "lmcache_k16v8")
 SECTIONS = ("codecs", "entropy", "chunk", "profile", "bound", "processes", "cli", "restore")
 CHUNK_THREADS = (1, 2)  # the one-chunk decode is timed on these thread counts
+WARM_S = 0.03  # every timed in-process op starts after this long with all cores busy (harness.warm_cores)
+IDLE_S = 0.15  # the idle-core probe: a decode after this long with the cores idle, vs after WARM_S busy
 PROJECTED_CORES = (16, 64)  # break-even projected to these core counts: decode time = 1-thread time / cores
 # published single-thread static-model entropy decoders (8-bit symbols; not measured here): (decoder, source, GiB/s)
 PUBLISHED_ENTROPY = (

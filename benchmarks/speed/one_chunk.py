@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..harness import Op, run_interleaved, timing
 from .codecs import KvzCodec
-from .config import CHUNK_THREADS, EPS, log
+from .config import CHUNK_THREADS, EPS, WARM_S, log
 from .measures import arrays_digest
 
 
@@ -39,7 +39,7 @@ def chunk_section(name: str, cache, bank, *, threads=CHUNK_THREADS, rounds: int 
         return lambda: r.read(tokens=(a, b))
 
     ops = [Op("kvz", "decode_chunk", th, reads(r)) for th, r in readers.items()]
-    run_interleaved(ops, rounds, label=f"{name} one chunk" if progress else "", log=log)
+    run_interleaved(ops, rounds, label=f"{name} one chunk" if progress else "", log=log, warm_s=WARM_S)
     times = {str(op.threads): timing(op.walls, op.cpus) for op in ops}
     ms = {k: 1e3 * t["wall_s"] for k, t in times.items()}
     t1 = times[str(min(threads))]["wall_s"]

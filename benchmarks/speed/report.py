@@ -125,6 +125,12 @@ def markdown(res: dict) -> str:
                      f"{_mv(rn and rn['vps_cpu']) if n_all > 1 else '-'} | {be} | {be1} |")
         if res.get("skipped"):
             L += [""] + [f"- skipped {k}: {v}" for k, v in res["skipped"].items()]
+        ic = res.get("idle_core")
+        if ic:
+            L += ["", f"Every timed op starts after {ic['warm_s'] * 1e3:.0f} ms with all cores busy (untimed). What that "
+                  f"takes out, measured ({ic['cache']}): {ic['codec']} at {ic['threads']} threads decodes in "
+                  f"{ic['after_warm_s'] * 1e3:.1f} ms after it and in {ic['after_idle_s'] * 1e3:.1f} ms after "
+                  f"{ic['idle_s']:.2f} s with the cores idle (medians)."]
     L += by_cores_markdown(res) + entropy_markdown(res) + chunk_markdown(res)
     vs = (res.get("processes") or {}).get("summary") or {}
     if vs:

@@ -130,6 +130,7 @@ def run(preset: str = "full", caches: list[str] | None = None, *, bank: str = BA
         cs = codec_section(loaded, kbank, codecs=codecs, threads=threads, rounds=cfg["rounds"],
                            enc_rounds=cfg["enc_rounds"], progress=progress)
         res["rows"], res["skipped"], res["identity"] = cs["rows"], cs["skipped"], cs["identity"]
+        res["idle_core"] = cs["idle_core"]
         res["aggregate"] = aggregate(cs["rows"])
         res["break_even_by_cores"] = by_cores(res["aggregate"])
         save()
