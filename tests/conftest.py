@@ -18,6 +18,39 @@ def _environment_restored():
         os.environ.clear()
         os.environ.update(before)
 
+def pytest_sessionstart(session):
+    """Numba's on-disk cache of a kernel checks only the source file that defines it, not the files
+    of the kernels it calls (fused -> fused_rows, intmap_amx -> intmap_rows, lanes_simd -> lanes):
+    after an edit to a callee alone a test would run the stale compiled caller. So the caches are
+    dropped whenever any numba module of the package changed since they were written."""
+    import hashlib
+
+    pkg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "alignpred")
+    h = hashlib.sha256()
+    for sub in ("kernels", "entropy"):
+        for f in sorted(glob.glob(os.path.join(pkg, sub, "*.py"))):
+            with open(f, "rb") as fh:
+                h.update(f.encode() + b"\0" + fh.read())
+    stamp = os.path.join(pkg, "kernels", "__pycache__", "kvz-kernel-sources.sha256")
+    try:
+        with open(stamp) as fh:
+            if fh.read() == h.hexdigest():
+                return
+    except OSError:
+        pass
+    for f in glob.glob(os.path.join(pkg, "**", "__pycache__", "*.nb[ic]"), recursive=True):
+        try:
+            os.remove(f)
+        except OSError:
+            pass
+    try:
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        with open(stamp, "w") as fh:
+            fh.write(h.hexdigest())
+    except OSError:  # a read-only tree: nothing cached there either
+        pass
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` — and every test on the real Gemma 3 270M (the ``gemma`` fixture: minutes
     to load) — run with ``KVZ_SLOW=1`` (CI runs them: ``.ci/run``) or when selected with ``-m slow``;
