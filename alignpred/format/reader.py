@@ -288,18 +288,13 @@ class KvzReader:
         dests: dict = {}
         lock = threading.Lock()
         shape = (lay.kv_heads, n_rows, lay.head_dim)
-        block, slot = None, {}
-        if whole and not direct:   # read(): every tensor in one allocation (one mapping, huge pages
-            # where the OS gives them: one page fault per 2 MiB instead of per 4 KiB)
-            slot = {ti: i for i, ti in enumerate(ti for ti, (layer, _) in enumerate(lay.tensors()) if layer in sel)}
-            block = np.empty((len(slot),) + shape, numpy_dtype(lay.dtype))
 
         def dest(ti):
             with lock:
                 if ti not in dests:
                     name = self.metas[ti].name
                     dests[ti] = self._out_view(out, ti, name, b - a) if direct else \
-                        block[slot[ti]] if block is not None else np.empty(shape, numpy_dtype(lay.dtype))
+                        np.empty(shape, numpy_dtype(lay.dtype))
                 return dests[ti]
 
         def target(g0, g1):
@@ -384,8 +379,7 @@ class KvzReader:
                 pending = {}
 
     def read(self, tokens=None, layers=None, tier=None) -> dict:
-        """Decode into ``{name: array}`` (the source's names, shapes and dtype). The arrays are
-        views of one allocation (copy one to keep it without the others)."""
+        """Decode into ``{name: array}`` (the source's names, shapes and dtype)."""
         return dict(self._named(tokens, layers, None, tier, whole=True))
 
     def read_into(self, out, tokens=None, layers=None, tier=None):
