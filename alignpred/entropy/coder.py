@@ -233,6 +233,19 @@ def _payload_words(buf) -> np.ndarray:
     return raw
 
 
+def _checked_payload(buf, C: int, N: int, shape) -> np.ndarray:
+    """The payload's bytes (uint8), or FormatError: not a byte buffer, or too short for C*N symbols."""
+    try:
+        raw = _payload_words(buf)
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"payload is not a byte buffer: {e}") from None
+    if C * N > _MAX_SYMBOLS_PER_BYTE * (raw.size + 32):
+        # every symbol costs >= log2(2**15 / 32641) = 0.0056 bit in any model, so a payload
+        # this short cannot hold C*N symbols; refuse before allocating the output
+        raise FormatError(f"payload of {raw.size} bytes is too short for shape {shape!r}")
+    return raw
+
+
 def decode(buf, model_ids: np.ndarray, shape: tuple[int, int],
            coder: str = "rans4", out: np.ndarray | None = None) -> np.ndarray:
     """Inverse of :func:`encode`: returns int32 [C, N]; raises FormatError on any inconsistency.
@@ -256,14 +269,7 @@ def decode(buf, model_ids: np.ndarray, shape: tuple[int, int],
     if C < 0 or N < 0 or C * N >= _MAX_SYMBOLS:
         raise FormatError(f"bad shape {shape!r}")
     ids = _as_ids(model_ids, C, FormatError)
-    try:
-        raw = _payload_words(buf)
-    except (TypeError, ValueError) as e:
-        raise FormatError(f"payload is not a byte buffer: {e}") from None
-    if C * N > _MAX_SYMBOLS_PER_BYTE * (raw.size + 32):
-        # every symbol costs >= log2(2**15 / 32641) = 0.0056 bit in any model, so a payload
-        # this short cannot hold C*N symbols; refuse before allocating the output
-        raise FormatError(f"payload of {raw.size} bytes is too short for shape {shape!r}")
+    raw = _checked_payload(buf, C, N, shape)
     if C * N == 0:
         if raw.size:
             raise FormatError("non-empty payload for an empty object")
@@ -319,12 +325,7 @@ def decode_objects(bufs: list, model_ids: np.ndarray, C: int, widths, coder: str
     for buf, n in zip(bufs, widths):
         if C < 0 or n < 0 or C * n >= _MAX_SYMBOLS:
             raise FormatError(f"bad shape {(C, n)!r}")
-        try:
-            raw = _payload_words(buf)
-        except (TypeError, ValueError) as e:
-            raise FormatError(f"payload is not a byte buffer: {e}") from None
-        if C * n > _MAX_SYMBOLS_PER_BYTE * (raw.size + 32):
-            raise FormatError(f"payload of {raw.size} bytes is too short for shape {(C, n)!r}")
+        raw = _checked_payload(buf, C, n, (C, n))
         if C * n == 0:   # no symbols, no columns (C == 0) or none of them (n == 0)
             if raw.size:
                 raise FormatError("non-empty payload for an empty object")
