@@ -119,11 +119,15 @@ def _apply_fn(attn):
 
 
 def _n_inputs(fn, owner: str) -> int:
-    """How many tensors ``fn`` rotates before its ``cos, sin`` arguments: 2 (q, k) or 1 (x)."""
-    params = list(inspect.signature(fn).parameters)
+    """How many tensors ``fn`` rotates before its ``cos, sin`` arguments: 2 (q, k) or 1 (x).
+    ``fn`` may be a function or a module wrapping one (transformers >= 5.25 wraps the rotation
+    functions in ``nn.Module`` objects whose ``forward`` has the function's signature)."""
+    target = getattr(fn, "forward", fn) if not inspect.isfunction(fn) else fn
+    params = list(inspect.signature(target).parameters)
     if "cos" in params and params.index("cos") in (1, 2) and params[params.index("cos") + 1:][:1] == ["sin"]:
         return params.index("cos")
-    raise UnsupportedRope(f"{owner}: unknown rotation function {fn.__name__}{tuple(params)}")
+    name = getattr(fn, "__name__", type(fn).__name__)
+    raise UnsupportedRope(f"{owner}: unknown rotation function {name}{tuple(params)}")
 
 
 def _head_dim(attn, cfg) -> int:
