@@ -98,9 +98,7 @@ class Decoder(Chain):
         q = np.empty((lay.kv_heads * lay.head_dim, n_rows), np.int32)
         deltas = np.empty(j1 - j0, np.float32)
         zero = np.zeros(j1 - j0, bool)
-        payloads: list = []
-        widths: list = []
-        c0 = 0           # the first column of the run of coded objects in payloads
+        runs: list = [(0, [], [])]   # (first column, payloads, widths) of consecutive coded objects
         with self._stage("fetch"):
             for j in range(j0, j1):
                 entry, payload = fetch(ti, j)
@@ -110,22 +108,16 @@ class Decoder(Chain):
                 if entry.flags & OBJ_ZERO:
                     zero[j - j0] = True
                     q[:, j * S - start:j * S - start + entry.n_tokens] = 0
-                    self._entropy_run(payloads, widths, models, q, c0)
-                    c0 = j * S - start + entry.n_tokens
+                    runs.append((j * S - start + entry.n_tokens, [], []))
                 else:
-                    payloads.append(payload)
-                    widths.append(entry.n_tokens)
-        self._entropy_run(payloads, widths, models, q, c0)
+                    runs[-1][1].append(payload)
+                    runs[-1][2].append(entry.n_tokens)
+        with self._stage("entropy"):   # one entropy call per run (entropy.decode_objects)
+            for c0, payloads, widths in runs:
+                if payloads:
+                    entropy.decode_objects(payloads, models, q.shape[0], widths, self.coder,
+                                           q[:, c0:c0 + sum(widths)])
         return q, deltas, zero
-
-    def _entropy_run(self, payloads: list, widths: list, models, q, c0: int) -> None:
-        """Decode the consecutive objects ``payloads`` into ``q``'s columns from ``c0`` on, in one
-        entropy call (:func:`alignpred.entropy.coder.decode_objects`), and empty the lists."""
-        if payloads:
-            with self._stage("entropy"):
-                entropy.decode_objects(payloads, models, q.shape[0], widths, self.coder, q[:, c0:c0 + sum(widths)])
-            payloads.clear()
-            widths.clear()
 
     def decode_range(self, metas: list, fetch, j0: int, j1: int, layers=None, out=None, refine_fetch=None):
         """Decode objects ``j0..j1-1`` of every tensor up to the last layer in ``layers`` (an

@@ -20,6 +20,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from alignpred.kernels.intmap_block import _splat, _vload, _vstore
+
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _F32 = ir.FloatType()
@@ -93,11 +95,11 @@ def _row(context, builder, ty, arr, t, elem):
 
 
 def _load(builder, ptr, i, vty):
-    return builder.load(builder.bitcast(builder.gep(ptr, [i]), vty.as_pointer()), align=4)
+    return _vload(builder, builder.gep(ptr, [i]), vty, 4)
 
 
 def _store(builder, v, ptr, i):
-    builder.store(v, builder.bitcast(builder.gep(ptr, [i]), v.type.as_pointer()), align=2)
+    _vstore(builder, v, builder.gep(ptr, [i]), 2)
 
 
 def _make_plain_row(kind: int):
@@ -123,8 +125,8 @@ def _make_plain_row(kind: int):
         nat_elem = _F32 if kind == 0 else ir.IntType(16)
         np_ = _row(context, builder, ta[10], nat, t, nat_elem)
         d = cgutils.unpack_tuple(builder, context.make_array(ta[0])(context, builder, base).shape, 2)[1]
-        vdt = _splat(builder, dt)
-        hi = _splat(builder, fmax)
+        vdt = _splat(builder, dt, _V16F)
+        hi = _splat(builder, fmax, _V16F)
         lo = builder.fsub(_k(_V16F, -0.0), hi)   # -fmax exactly
 
         def recon(i):
@@ -153,12 +155,6 @@ def _make_plain_row(kind: int):
         return context.get_dummy_value()
 
     return intrinsic(typer)
-
-
-def _splat(builder, v):
-    """``v`` (float32) in all 16 lanes."""
-    vec = builder.insert_element(ir.Constant(_V16F, None), v, _I32(0))
-    return builder.shuffle_vector(vec, ir.Constant(_V16F, None), ir.Constant(_V16I, [0] * _W))
 
 
 plain_row_f32, plain_row_bf16, plain_row_f16 = (_make_plain_row(k) for k in range(3))
