@@ -38,8 +38,10 @@ def acceptance(res: dict) -> list[dict]:
         ip = bd["int_peak"]
         add("map products >= 85% of the core's integer dot-product peak", bd["kernel_share_of_int_peak"] >= 0.85,
             bd["kernel_share_of_int_peak"],
-            f"map kernel {bd['map_kernel_gmacs']:.1f} GMAC/s (own time in a profiled read, on AMX with the "
-            f"quantisation into byte planes fused into the call; the whole stage with the sources' "
+            f"map kernel {bd['map_kernel_gmacs']:.1f} GMAC/s (own time in a profiled read, " +
+            ("on AMX with the quantisation into byte planes fused into the call" if bd.get("map_kernel") == "amx"
+             else "the vector kernel, no AMX on this CPU" if bd.get("map_kernel") == "vector" else "kernel not recorded") +
+            f"; the whole stage with the sources' "
             f"quantisation {bd['kernel_gmacs']:.1f}) vs peak {ip['peak_gmacs']:.1f} ({ip['instruction']}): "
             f"{bd['kernel_share_of_int_peak']:.0%}")
     elif bd:

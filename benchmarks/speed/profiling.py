@@ -98,6 +98,9 @@ def bound_section(codec: KvzCodec, reps: int = 5) -> dict:
                   "(_products)" in e["function"] or "(_predict_rows)" in e["function"])))
     if own > 0:
         out["map_kernel_s"], out["map_kernel_gmacs"] = own, macs / own / 1e9
+    from alignpred.kernels import amx_enabled
+
+    out["map_kernel"] = "amx" if amx_enabled() else "vector"
     out["int_peak"] = dot_peak()
     ip = out["int_peak"].get("peak_gmacs")
     if ip:

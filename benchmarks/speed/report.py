@@ -220,7 +220,7 @@ def markdown(res: dict) -> str:
             L += ["", "Integer dot-product peak of this core (register-only chains, `benchmarks/native/dot_peak.c`): "
                   + ", ".join(f"{k} {v:.1f}" if v else f"{k} not available" for k, v in ip["probes"].items())
                   + f" GMAC/s. The prediction stage runs at {bd['stage_share_of_int_peak']:.0%} of "
-                  f"{ip['peak_gmacs']:.1f}" + (f"; the map kernel alone (its own time in one profiled read, "
+                  f"{ip['peak_gmacs']:.1f}" + (f"; the map kernel alone ({'AMX tiles' if bd.get('map_kernel') == 'amx' else 'the vector kernel'}, its own time in one profiled read, "
                                                f"{bd['map_kernel_s']:.3f} s) at {bd['map_kernel_gmacs']:.1f} GMAC/s, "
                                                f"{bd['kernel_share_of_int_peak']:.0%}"
                                                if "kernel_share_of_int_peak" in bd else "") + "."]

@@ -295,6 +295,10 @@ for C, N in ((7, 256), (5, 77), (3, 20)):
     for path in ("simd", "portable"):
         d = lanes.decode(buf, ids, q.shape, path=path)
         out[f"{C}x{N}-{path}"] = [hashlib.sha256(buf).hexdigest(), bool(np.array_equal(d, q))]
+        if N % 64 == 0:   # objects decoded in lock-step (decode_simd_objects' groups)
+            bufs = [E.encode(np.ascontiguousarray(q[:, a:a + 64]), ids, coder="lanes32") for a in range(0, N, 64)]
+            d = lanes.decode_objects(bufs, ids, C, [64] * (N // 64), np.empty_like(q), path=path)
+            out[f"{C}x{N}-{path}-objects"] = ["", bool(np.array_equal(d, q))]
 print(json.dumps(out))
 """
 
@@ -430,6 +434,46 @@ def test_decode_objects_equals_one_decode_per_object(widths, path):
     assert (big[:, :4] == -7).all() and (big[:, 4 + q.shape[1]:] == -7).all()
     got = E.decode_objects(bufs, ids, q.shape[0], widths, CODER, np.empty(q.shape, np.int32))
     np.testing.assert_array_equal(got, q)
+
+
+@pytest.mark.parametrize("path", ["simd", "portable"])
+def test_decode_objects_in_lock_step_and_strided_columns(path):
+    """Equal-width objects go through the lock-step kernel in groups (a leftover object and other
+    widths one at a time); columns of any stride decode the same symbols."""
+    widths = [96, 96, 96, 96, 96, 64, 64, 32]
+    q, ids, bufs = _objects(widths, C=9, seed=11)
+    for out in (np.empty(q.shape, np.int32), np.full((q.shape[0], 2 * q.shape[1]), 5, np.int32)[:, ::2],
+                np.full((2 * q.shape[0], q.shape[1] + 3), 5, np.int32)[::2, 3:]):
+        lanes.decode_objects(bufs, ids, q.shape[0], widths, out, path=path)
+        np.testing.assert_array_equal(out, q)
+
+
+@pytest.mark.parametrize("path", ["simd", "portable"])
+def test_decode_objects_reports_the_first_damaged_object_of_a_group(path):
+    """A lane stream damaged inside a group of lock-step objects: the error of that object (the one
+    a single decode gives), never another object's, and the first in order when two are damaged."""
+    q, ids, bufs = _objects([128] * 4, C=6, seed=5)
+    hdr = lanes.header_words(6 * 128) * 2
+    for j in (1, 2, 3):
+        bad = bytearray(bufs[j])
+        bad[hdr + 5] ^= 0x5A                          # inside lane 0's word stream
+        damaged = list(bufs)
+        damaged[j] = bytes(bad)
+        with pytest.raises(FormatError) as one:
+            lanes.decode(damaged[j], ids, (6, 128), path=path)
+        with pytest.raises(FormatError) as many:
+            lanes.decode_objects(damaged, ids, 6, [128] * 4, np.empty(q.shape, np.int32), path=path)
+        assert str(many.value) == str(one.value)
+    two = list(bufs)
+    two[3] = bufs[3][:-2]                              # a tiling error after a stream error
+    bad = bytearray(bufs[1])
+    bad[hdr + 5] ^= 0x5A
+    two[1] = bytes(bad)
+    with pytest.raises(FormatError) as first:
+        lanes.decode(two[1], ids, (6, 128), path=path)
+    with pytest.raises(FormatError) as many:
+        lanes.decode_objects(two, ids, 6, [128] * 4, np.empty(q.shape, np.int32), path=path)
+    assert str(many.value) == str(first.value)
 
 
 @pytest.mark.parametrize("path", ["simd", "portable"])
