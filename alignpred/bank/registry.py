@@ -188,14 +188,28 @@ def resolve_bank(ref, layout=None, *, session=None):
                 "; fit one with alignpred.fit_bank on other caches of this model, or pass a self-calibrated bank "
                 "(fit_bank([cache]) with embed_bank=True)")
         raise BankMismatchError(f"compression needs a calibration bank (bank=...){hint}")
-    if session is not None and isinstance(ref, str):
-        hit = session.get(ref)
+    if session is not None and isinstance(ref, (str, os.PathLike)):
+        hit = session.get(os.fspath(ref)) or _session_hit(session, os.fspath(ref))
         if hit is not None:
             return hit
     bank = find(ref, layout)
     if session is not None:
         session.add(bank)
     return bank
+
+
+def _session_hit(session, ref: str):
+    """The bank a path or registry name refers to, if ``session`` holds it already: the file's id
+    comes from its registry entry (cached by path, mtime and size), so a reader given a bank by
+    name or path does not load and hash the bank file again (~24 ms for the bundled bank)."""
+    if os.path.sep in ref or ref.endswith(".h5") or os.path.exists(ref):
+        e = _entry(Path(ref), "path") if os.path.isfile(ref) else None
+    else:
+        try:
+            e = lookup(ref)
+        except BankMismatchError:
+            return None
+    return session.get(e.id) if e is not None else None
 
 
 class BankRegistry:

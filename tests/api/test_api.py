@@ -158,6 +158,25 @@ def test_session_reuses_plans(cb):
     assert s.plans_built == 1
 
 
+def test_session_keeps_a_bank_given_by_name_or_path(tmp_path, cb):
+    """A bank passed by registry name or file path is loaded (and hashed) once per session, and a
+    changed file at the same path is loaded again."""
+    from alignpred.bank.registry import BankRegistry, resolve_bank
+
+    reg = BankRegistry()
+    a = resolve_bank("gemma-3-270m", session=reg)
+    assert resolve_bank("gemma-3-270m", session=reg) is a
+    assert resolve_bank(a.id, session=reg) is a
+    c, bank = cb
+    p = tmp_path / "b.h5"
+    bank.save(p)
+    b1 = resolve_bank(str(p), session=reg)
+    assert resolve_bank(p, session=reg) is b1 and b1.id == bank.id
+    other = fit_bank([synthetic_cache(n_layers=3, T=300, d=16, seed=9)], rank=None)
+    other.save(p)
+    assert resolve_bank(str(p), session=reg).id == other.id != bank.id
+
+
 def test_no_overwrite_of_own_input(tmp_path, cb):
     c, bank = cb
     p = tmp_path / "c.safetensors"
