@@ -5,7 +5,8 @@ The symbols and the timing come from :mod:`kvz.benchmarks.entropy_lanes` (``real
 compressed at eps 0.0267 with the bundled bank, every object's payload decoded back to its symbols
 through the public reader and entropy API; ``time_decoders``: the decoders interleaved call by call,
 per object the minimum and the median over rounds, summed). Timed here: ``rans4`` (the coder kvz
-writes by default, the one in the benchmark's files) and ``lanes32`` (vectorised and portable)."""
+writes by default, the one in the benchmark's files) and ``lanes32`` (vectorised and portable), and
+``lanes32`` as the decoder calls it, one call per tensor (:func:`tensor_timing`)."""
 from __future__ import annotations
 
 import time
@@ -51,6 +52,64 @@ def entropy_timing(objs: list, rounds: int) -> dict:
             "timing": time_decoders(objs, {"rans4": rans4, **decs}, rounds)}
 
 
+def tensors_of(objs: list) -> list:
+    """``objs`` (``[(q, model_ids)]`` in file order) grouped by tensor: consecutive objects sharing one
+    model-id array (:func:`~kvz.benchmarks.entropy_lanes.real_objects` passes each tensor's own)."""
+    out: list = []
+    for q, ids in objs:
+        if out and out[-1][1] is ids:
+            out[-1][0].append(q)
+        else:
+            out.append(([q], ids))
+    return out
+
+
+def tensor_timing(objs: list, rounds: int, n_tensors: int = 4) -> dict:
+    """The lanes32 entropy stage as the decoder runs it: one :func:`alignpred.entropy.decode_objects`
+    call per tensor (its objects in lock-step groups), next to one ``lanes_decode`` per object of the
+    same tensors, interleaved round by round; ns/symbol of the summed per-tensor minimum and median."""
+    import numpy as np
+
+    from alignpred import entropy
+
+    ts = spaced(tensors_of(objs), n_tensors)
+    acc = {"per object": [0.0, 0.0], "per tensor": [0.0, 0.0]}
+    n, ok = 0, True
+    for qs, ids in ts:
+        bufs = [entropy.encode(q, ids, coder="lanes32") for q in qs]
+        widths = [q.shape[1] for q in qs]
+        want = np.concatenate(qs, axis=1)
+        out = np.empty_like(want)
+        n += want.size
+
+        def per_tensor():
+            entropy.decode_objects(bufs, ids, want.shape[0], widths, "lanes32", out)
+
+        def per_object():
+            c0 = 0
+            for b, w in zip(bufs, widths):
+                entropy.lanes_decode(b, ids, (want.shape[0], w), out=out[:, c0:c0 + w])
+                c0 += w
+
+        per_tensor()
+        ok = ok and bool(np.array_equal(out, want))
+        per_object()
+        ok = ok and bool(np.array_equal(out, want))
+        runs: dict = {k: [] for k in acc}
+        for _ in range(rounds):
+            for k, fn in (("per object", per_object), ("per tensor", per_tensor)):
+                t = time.perf_counter()
+                fn()
+                runs[k].append(time.perf_counter() - t)
+        for k, v in runs.items():
+            v.sort()
+            acc[k][0] += v[0]
+            acc[k][1] += v[len(v) // 2]
+    return {"tensors": len(ts), "symbols": n, "same_symbols": ok,
+            "timing": {k: {"ns_per_symbol_min": 1e9 * v[0] / n, "ns_per_symbol_median": 1e9 * v[1] / n}
+                       for k, v in acc.items()}}
+
+
 def entropy_section(cache_path: str, *, objects: int = 0, rounds: int = 5) -> dict:
     """The entropy stage on one held-out cache: ``objects`` of its coded objects (evenly spaced; 0 = all)
     timed ``rounds`` calls each, and the published figures."""
@@ -60,6 +119,7 @@ def entropy_section(cache_path: str, *, objects: int = 0, rounds: int = 5) -> di
     t0 = time.perf_counter()
     objs = real_objects([cache_path], log=log)
     res = entropy_timing(spaced(objs, objects), rounds)
+    res["lanes32_per_tensor"] = tensor_timing(objs, rounds, max(1, (objects or len(objs)) // 8))
     res.update({"cache": stem(cache_path), "objects": len(objs), "published": published_entropy(),
                 "section_s": time.perf_counter() - t0})
     log(f"entropy stage: rans4 {res['timing']['rans4']['ns_per_symbol_min']:.2f} ns/symbol "
