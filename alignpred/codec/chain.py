@@ -42,11 +42,10 @@ class Chain:
                 last_use[s] = k
         self._last_use = last_use
 
-    def prune(self, recon: dict, done_block: str) -> None:
-        """Drop the reconstructions no block after ``done_block`` reads."""
+    def prune(self, recon: dict, done_block: str) -> list:
+        """Drop the reconstructions no block after ``done_block`` reads; returns them."""
         k = self._order_idx[done_block]
-        for b in [b for b in recon if self._last_use.get(b, -1) <= k]:
-            del recon[b]
+        return [recon.pop(b) for b in [b for b in recon if self._last_use.get(b, -1) <= k]]
 
     def delta_rows(self, delta_obj, zero_obj, start: int, n_rows: int | None = None, layer: int = 0, rows=None):
         """Per-row steps (float32, sink rows and stale rows of ``layer`` scaled, then times the

@@ -52,26 +52,33 @@ class BlockPlan:
                 self._memo[key] = hit
         return hit
 
-    def base(self, mode: int, recon: dict) -> np.ndarray | None:
-        """Base prediction ``[n, d]`` of ``mode``'s predictor (None for ``ZERO``)."""
-        return REGISTRY[mode & BASE_MASK].base(self, recon)
+    def base(self, mode: int, recon: dict, out: np.ndarray | None = None) -> np.ndarray | None:
+        """Base prediction ``[n, d]`` of ``mode``'s predictor (None for ``ZERO``), written into
+        ``out`` where the predictor can."""
+        return REGISTRY[mode & BASE_MASK].base(self, recon, out)
 
-    def predict(self, modes: np.ndarray, recon: dict, n: int, bases: dict | None = None) -> np.ndarray:
+    def predict(self, modes: np.ndarray, recon: dict, n: int, bases: dict | None = None,
+                out: np.ndarray | None = None) -> np.ndarray:
         """Base prediction ``[n, d]`` with each channel's own mode (float32). ``bases`` may hold
-        base predictions already computed from the same ``recon`` (by predictor id)."""
+        base predictions already computed from the same ``recon`` (by predictor id). ``out``:
+        float32 ``[n, d]`` (C-contiguous) to write the prediction into where possible (the
+        result is ``out`` or a new array; the values are the same)."""
         ids, kinds, zero_cols = self._kinds(modes)
         if kinds == [ZERO]:
-            return np.zeros((n, self.mean.shape[0]), np.float32)
+            if out is None:
+                return np.zeros((n, self.mean.shape[0]), np.float32)
+            out.fill(0.0)
+            return out
 
-        def base(bb):
-            return bases[bb] if bases is not None and bb in bases else self.base(bb, recon)
+        def base(bb, into=None):
+            return bases[bb] if bases is not None and bb in bases else self.base(bb, recon, into)
 
         if len(kinds) == 1:
-            return np.asarray(base(kinds[0]), np.float32)
+            return np.asarray(base(kinds[0], out), np.float32)
         if len(kinds) == 2 and kinds[0] == ZERO and (bases is None or kinds[1] not in bases):
             # one predictor and some ZERO channels: zero those columns of its fresh prediction
             # (the values np.where below would give, without a second [n, d] pass)
-            out = np.asarray(base(kinds[1]), np.float32)
+            out = np.asarray(base(kinds[1], out), np.float32)
             out[:, zero_cols] = 0.0
             return out
         out = np.zeros((n, self.mean.shape[0]), np.float32)

@@ -29,7 +29,16 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from alignpred.kernels.fused_rows import bf16_ir, f16_ir, plain_row_bf16, plain_row_f16, plain_row_f32
+from alignpred.kernels.fused_rows import (
+    bf16_ir,
+    f16_ir,
+    interp_row_bf16,
+    interp_row_f16,
+    interp_row_f32,
+    plain_row_bf16,
+    plain_row_f16,
+    plain_row_f32,
+)
 
 # out kinds
 OUT_F32, OUT_BF16, OUT_F16 = 0, 1, 2
@@ -224,13 +233,24 @@ def _post(base, q, delta, chan, has_chan, interp, S, mean, cos, sin, r, interlea
         for t in range(t0, t1):
             lt = t - t0
             dt = delta[t]
-            if vec and not has_chan and not (any_interp and (t & 1) == 1):
+            if vec and not has_chan:
+                if not (any_interp and (t & 1) == 1):
+                    if kind == OUT_F32:
+                        plain_row_f32(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat32, fmax)
+                    elif kind == OUT_BF16:
+                        plain_row_bf16(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat16, fmax)
+                    else:
+                        plain_row_f16(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat16, fmax)
+                    continue
+                both = t + 1 < n and (t + 1) % S != 0
+                dl = delta[t - 1]
+                drt = delta[t + 1] if both else np.float32(0.0)
                 if kind == OUT_F32:
-                    plain_row_f32(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat32, fmax)
+                    interp_row_f32(base, t, qt, lt, dt, dl, drt, both, interp, mean, cos, sin, h, rec, nat32, fmax)
                 elif kind == OUT_BF16:
-                    plain_row_bf16(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat16, fmax)
+                    interp_row_bf16(base, t, qt, lt, dt, dl, drt, both, interp, mean, cos, sin, h, rec, nat16, fmax)
                 else:
-                    plain_row_f16(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat16, fmax)
+                    interp_row_f16(base, t, qt, lt, dt, dl, drt, both, interp, mean, cos, sin, h, rec, nat16, fmax)
                 continue
             if has_chan:  # the steps of this row (and its neighbours) per channel
                 for c in range(d):

@@ -102,36 +102,79 @@ def _store(builder, v, ptr, i):
     _vstore(builder, v, builder.gep(ptr, [i]), 2)
 
 
-def _make_plain_row(kind: int):
-    """The plain-row intrinsic writing native rows of ``kind`` (0 float32, 1 bfloat16, 2 float16):
-    ``(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax)``; ``h = 0``: no RoPE."""
+def _make_row(kind: int, interp: bool):
+    """The row intrinsic writing native rows of ``kind`` (0 float32, 1 bfloat16, 2 float16).
+
+    Plain rows: ``(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax)``; ``h = 0``: no RoPE.
+    ``interp``: an odd row of a block with interpolated channels, ``(base, t, qt, lt, dt, dl, dr,
+    both, mask, mean, cos, sin, h, rec, nat, fmax)``: in the channels where ``mask`` (uint8 [d]) is
+    non-zero the residual is ``0.5 * (q[lt-1] dl + q[lt+1] dr) + q[lt] dt`` (``both``) or
+    ``q[lt-1] dl + q[lt] dt`` (no right neighbour in the object), elsewhere ``q[lt] dt`` — the
+    scalar loop's operations in its order."""
     cast = (None, bf16_ir, f16_ir)[kind]
 
-    def typer(typingctx, base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax):
-        arrs = (base, qt, mean, cos, sin, rec, nat)
-        if not all(isinstance(a, types.Array) for a in arrs):
+    def check(a, arrs):
+        if not all(isinstance(a[i], types.Array) for i in arrs):
             return None
-        return types.void(base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax), codegen
+        return types.void(*a), codegen
+
+    if interp:
+        def typer(typingctx, base, t, qt, lt, dt, dl, dr, both, mask, mean, cos, sin, h, rec, nat, fmax):
+            return check((base, t, qt, lt, dt, dl, dr, both, mask, mean, cos, sin, h, rec, nat, fmax),
+                         (0, 2, 8, 9, 10, 11, 13, 14))
+    else:
+        def typer(typingctx, base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax):
+            return check((base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax), (0, 2, 5, 6, 7, 9, 10))
 
     def codegen(context, builder, sig, args):
-        base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax = args
         ta = sig.args
-        bp = _row(context, builder, ta[0], base, t, _F32)
-        qp = _row(context, builder, ta[2], qt, lt, _I32)
-        mp = _row(context, builder, ta[5], mean, None, _F32)
-        cp = _row(context, builder, ta[6], cos, t, _F32)
-        sp = _row(context, builder, ta[7], sin, t, _F32)
-        rp = _row(context, builder, ta[9], rec, t, _F32)
+        if interp:
+            base, t, qt, lt, dt, dl, dr, both, mask, mean, cos, sin, h, rec, nat, fmax = args
+            ib, iq, im, ic, is_, ir_, inat = 0, 2, 9, 10, 11, 13, 14
+        else:
+            base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax = args
+            ib, iq, im, ic, is_, ir_, inat = 0, 2, 5, 6, 7, 9, 10
+        bp = _row(context, builder, ta[ib], base, t, _F32)
+        qp = _row(context, builder, ta[iq], qt, lt, _I32)
+        mp = _row(context, builder, ta[im], mean, None, _F32)
+        cp = _row(context, builder, ta[ic], cos, t, _F32)
+        sp = _row(context, builder, ta[is_], sin, t, _F32)
+        rp = _row(context, builder, ta[ir_], rec, t, _F32)
         nat_elem = _F32 if kind == 0 else ir.IntType(16)
-        np_ = _row(context, builder, ta[10], nat, t, nat_elem)
+        np_ = _row(context, builder, ta[inat], nat, t, nat_elem)
         d = cgutils.unpack_tuple(builder, context.make_array(ta[0])(context, builder, base).shape, 2)[1]
         vdt = _splat(builder, dt, _V16F)
         hi = _splat(builder, fmax, _V16F)
         lo = builder.fsub(_k(_V16F, -0.0), hi)   # -fmax exactly
+        if interp:
+            one = _I64(1)
+            ql = _row(context, builder, ta[iq], qt, builder.sub(lt, one), _I32)
+            qr = _row(context, builder, ta[iq], qt, builder.add(lt, one), _I32)
+            kp = _row(context, builder, ta[8], mask, None, ir.IntType(8))
+            vdl = _splat(builder, dl, _V16F)
+            vdr = _splat(builder, dr, _V16F)
+            two = builder.icmp_signed("!=", both, ir.Constant(both.type, 0))
+            v16b = ir.VectorType(ir.IntType(8), _W)
+
+        def q_f(ptr, i):
+            return builder.sitofp(_load(builder, ptr, i, _V16I), _V16F)
+
+        def residual(i):
+            w = builder.fmul(q_f(qp, i), vdt)
+            if not interp:
+                return w
+            left = builder.fmul(q_f(ql, i), vdl)
+            # row lt + 1 of the tile scratch is always readable (TILE + 1 rows); without a right
+            # neighbour its value is not selected
+            right = builder.fmul(q_f(qr, i), vdr)
+            wi2 = builder.fadd(builder.fmul(_k(_V16F, 0.5), builder.fadd(left, right)), w)
+            wi1 = builder.fadd(left, w)
+            wi = builder.select(two, wi2, wi1)
+            on = builder.icmp_unsigned("!=", _vload(builder, builder.gep(kp, [i]), v16b, 1), ir.Constant(v16b, None))
+            return builder.select(on, wi, w)
 
         def recon(i):
-            v = builder.fadd(_load(builder, bp, i, _V16F),
-                             builder.fmul(builder.sitofp(_load(builder, qp, i, _V16I), _V16F), vdt))
+            v = builder.fadd(_load(builder, bp, i, _V16F), residual(i))
             _store(builder, v, rp, i)
             return builder.fadd(v, _load(builder, mp, i, _V16F))
 
@@ -157,4 +200,5 @@ def _make_plain_row(kind: int):
     return intrinsic(typer)
 
 
-plain_row_f32, plain_row_bf16, plain_row_f16 = (_make_plain_row(k) for k in range(3))
+plain_row_f32, plain_row_bf16, plain_row_f16 = (_make_row(k, False) for k in range(3))
+interp_row_f32, interp_row_bf16, interp_row_f16 = (_make_row(k, True) for k in range(3))

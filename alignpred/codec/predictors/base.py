@@ -26,7 +26,9 @@ class Predictor:
     def attach(self, plans: dict, bank, config) -> None:
         pass
 
-    def base(self, plan, recon: dict) -> np.ndarray | None:
+    def base(self, plan, recon: dict, out: np.ndarray | None = None) -> np.ndarray | None:
         """The base prediction ``[n, d]`` of ``plan``'s block from the reconstructions ``recon``:
-        a new array, which the caller may modify (never a view of ``recon`` or of plan data)."""
+        a new array, which the caller may modify (never a view of ``recon`` or of plan data), or
+        ``out`` (float32 ``[n, d]``, C-contiguous) written and returned where the predictor can
+        write into it (it may ignore ``out``)."""
         raise NotImplementedError

@@ -22,6 +22,6 @@ class Blend(Predictor):
                 p.data[self.name] = (tuple(g[:k]), float(config.lambdas[0] if k == 1 else config.lambdas[1]))
                 p.sources.update(g[:k])
 
-    def base(self, plan, recon):
+    def base(self, plan, recon, out=None):
         refs, lam = plan.data[self.name]
         return (lam / len(refs)) * sum(recon[s] for s in refs)

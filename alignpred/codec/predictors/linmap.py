@@ -55,16 +55,18 @@ class LinearMap(Predictor):
             p.data[self.name] = (tuple(srcs), u, vt)
             p.sources.update(srcs)
 
-    def base(self, plan, recon):
+    def base(self, plan, recon, out=None):
         srcs, u, vt = plan.data[self.name]
         if not isinstance(u, np.ndarray):  # exact: rows are independent (per-row scales), one call
-            y = u.predict([recon[s] for s in srcs])
-            return y if vt is None else vt.predict([y])
+            if vt is None:
+                return u.predict([recon[s] for s in srcs], out=out)
+            return vt.predict([u.predict([recon[s] for s in srcs])], out=out)
         S = plan.object_size
         d_src = u.shape[0] // len(srcs)
         xs = [recon[s] for s in srcs]
         n = xs[0].shape[0]
-        out = np.empty((n, plan.mean.shape[0]), np.float32)
+        if out is None:
+            out = np.empty((n, plan.mean.shape[0]), np.float32)
         uu = u.astype(np.float32, copy=False)  # float16 banks: widened per call (exact)
         for a in range(0, n, S):
             y = None

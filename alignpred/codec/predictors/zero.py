@@ -10,5 +10,5 @@ class Zero(Predictor):
     id = ZERO
     name = "zero"
 
-    def base(self, plan, recon):
+    def base(self, plan, recon, out=None):
         return None  # no prediction: the residual is the coding-frame value itself
