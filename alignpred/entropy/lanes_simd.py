@@ -193,6 +193,35 @@ def _steps(builder, isa, xs, ps, mbs, td, wd, pv, smask, wmaxvs):
             for j, (_, _, _, nb, tok, big, _) in enumerate(heads)]
 
 
+def _vptr(builder, base, j):
+    """Pointer to vector ``j`` (``VW`` lanes) of the i32 array at ``base``."""
+    return builder.bitcast(builder.gep(base, [ir.Constant(_I64, VW * j)]), _V.as_pointer())
+
+
+def _states_in(builder, xd, pd, nv):
+    """The ``nv`` state and position vectors of the lanes, loaded into stack slots."""
+    sx = [cgutils.alloca_once(builder, _V) for _ in range(nv)]
+    sp = [cgutils.alloca_once(builder, _V) for _ in range(nv)]
+    for j in range(nv):
+        builder.store(builder.load(_vptr(builder, xd, j), align=4), sx[j])
+        builder.store(builder.load(_vptr(builder, pd, j), align=4), sp[j])
+    return sx, sp
+
+
+def _states_out(builder, sx, sp, xd, pd):
+    for j in range(len(sx)):
+        builder.store(builder.load(sx[j]), _vptr(builder, xd, j), align=4)
+        builder.store(builder.load(sp[j]), _vptr(builder, pd, j), align=4)
+
+
+def _put(builder, res, sx, sp, od, offs):
+    """A step's values to ``od + offs[j]`` and its states back to the slots."""
+    for j, (x, p, v) in enumerate(res):
+        builder.store(v, builder.bitcast(builder.gep(od, [offs[j]]), _V.as_pointer()), align=4)
+        builder.store(x, sx[j])
+        builder.store(p, sp[j])
+
+
 @intrinsic
 def _run(typingctx, xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec, mbc, N, rs, c0):
     """Decode ``ngroups`` steps of all 32 lanes: states ``xs`` (uint32 [32]) and positions ``ps``
@@ -221,19 +250,12 @@ def _run(typingctx, xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec, mbc, 
         td = builder.bitcast(td, _I32.as_pointer())
         od = builder.bitcast(od, _I32.as_pointer())
 
-        def vptr(base, j):
-            return builder.bitcast(builder.gep(base, [ir.Constant(_I64, VW * j)]), _V.as_pointer())
-
         nv = 32 // VW
-        mbs = [builder.load(vptr(md, j), align=4) for j in range(nv)]
+        mbs = [builder.load(_vptr(builder, md, j), align=4) for j in range(nv)]
         pv = _vsplat(builder, builder.trunc(prec, _I32))
         smask = builder.sub(builder.shl(_splat(1), pv), _splat(1))
         wmaxv = _vsplat(builder, builder.trunc(wmax, _I32))
-        sx = [cgutils.alloca_once(builder, _V) for _ in range(nv)]
-        sp = [cgutils.alloca_once(builder, _V) for _ in range(nv)]
-        for j in range(nv):
-            builder.store(builder.load(vptr(xd, j), align=4), sx[j])
-            builder.store(builder.load(vptr(pd, j), align=4), sp[j])
+        sx, sp = _states_in(builder, xd, pd, nv)
         walk = builder.icmp_signed(">", N, ir.Constant(_I64, 0))
         sc = cgutils.alloca_once_value(builder, c0)
         st = cgutils.alloca_once_value(builder, ooff)
@@ -248,14 +270,8 @@ def _run(typingctx, xs, ps, w, wmax, tab, mbase, ngroups, out, ooff, prec, mbc, 
             builder.store(builder.add(c, builder.zext(wrap, _I64)), sc)
             res = _steps(builder, isa, [builder.load(v) for v in sx], [builder.load(v) for v in sp],
                          [builder.select(walk, mbw, m) for m in mbs], td, wd, pv, smask, [wmaxv] * nv)
-            for j, (x, p, v) in enumerate(res):
-                dst = builder.gep(od, [builder.add(off, ir.Constant(_I64, VW * j))])
-                builder.store(v, builder.bitcast(dst, _V.as_pointer()), align=4)
-                builder.store(x, sx[j])
-                builder.store(p, sp[j])
-        for j in range(nv):
-            builder.store(builder.load(sx[j]), vptr(xd, j), align=4)
-            builder.store(builder.load(sp[j]), vptr(pd, j), align=4)
+            _put(builder, res, sx, sp, od, [builder.add(off, ir.Constant(_I64, VW * j)) for j in range(nv)])
+        _states_out(builder, sx, sp, xd, pd)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -285,9 +301,6 @@ def _group_run(G: int):
             xd, pd, wd, md = data(0, xs, _I32), data(1, ps, _I32), data(2, w, _I16), data(3, wmax, _I32)
             td, od, fd, cd = data(4, tab, _I32), data(6, out, _I32), data(7, ooff, _I64), data(9, mbc, _I32)
 
-            def vptr(base, j):
-                return builder.bitcast(builder.gep(base, [ir.Constant(_I64, VW * j)]), _V.as_pointer())
-
             per = 32 // VW
             nv = G * per
             pv = _vsplat(builder, builder.trunc(prec, _I32))
@@ -295,11 +308,7 @@ def _group_run(G: int):
             wmaxvs = [_vsplat(builder, builder.load(builder.gep(md, [ir.Constant(_I64, j // per)])))
                       for j in range(nv)]
             offs = [builder.load(builder.gep(fd, [ir.Constant(_I64, g)])) for g in range(G)]
-            sx = [cgutils.alloca_once(builder, _V) for _ in range(nv)]
-            sp = [cgutils.alloca_once(builder, _V) for _ in range(nv)]
-            for j in range(nv):
-                builder.store(builder.load(vptr(xd, j), align=4), sx[j])
-                builder.store(builder.load(vptr(pd, j), align=4), sp[j])
+            sx, sp = _states_in(builder, xd, pd, nv)
             sc = cgutils.alloca_once_value(builder, ir.Constant(_I64, 0))
             st = cgutils.alloca_once_value(builder, ir.Constant(_I64, 0))
             with cgutils.for_range(builder, ngroups):
@@ -312,14 +321,9 @@ def _group_run(G: int):
                 builder.store(builder.add(c, builder.zext(wrap, _I64)), sc)
                 res = _steps(builder, isa, [builder.load(v) for v in sx], [builder.load(v) for v in sp],
                              [mbw] * nv, td, wd, pv, smask, wmaxvs)
-                for j, (x, p, v) in enumerate(res):
-                    o = builder.add(builder.add(offs[j // per], off), ir.Constant(_I64, VW * (j % per)))
-                    builder.store(v, builder.bitcast(builder.gep(od, [o]), _V.as_pointer()), align=4)
-                    builder.store(x, sx[j])
-                    builder.store(p, sp[j])
-            for j in range(nv):
-                builder.store(builder.load(sx[j]), vptr(xd, j), align=4)
-                builder.store(builder.load(sp[j]), vptr(pd, j), align=4)
+                _put(builder, res, sx, sp, od, [builder.add(builder.add(offs[j // per], off),
+                                                            ir.Constant(_I64, VW * (j % per))) for j in range(nv)])
+            _states_out(builder, sx, sp, xd, pd)
             return context.get_dummy_value()
 
         return sig, codegen
