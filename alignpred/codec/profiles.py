@@ -5,16 +5,18 @@ A profile is a choice of entropy coder and predictors, applied on top of a
 search does not change), so they differ only in bits and decode time. The file records the coder
 and the config as always, so a reader needs nothing else: a profile never appears in a header.
 
-==========  =================  ============  ==========================================
-profile     entropy coder      linear maps   measured: bits/value, one-core decode
-==========  =================  ============  ==========================================
-default     ``rans4``          yes           3.837, 73.7 M values/s
-balanced    ``lanes32`` (1.2)  yes           3.886 (+0.050), 91.8 M values/s (1.25x)
-fast        ``lanes32`` (1.2)  no            4.623 (+0.786), 239.9 M values/s (3.26x)
-==========  =================  ============  ==========================================
+==========  =================  ============  =============  ==========================================
+profile     entropy coder      linear maps   bits/value     one-core decode, M values/s (x SZ3)
+==========  =================  ============  =============  ==========================================
+default     ``rans4``          yes           3.837          75.9 (0.45x) Zen 4; 111.5 (0.80x) Xeon+AMX
+balanced    ``lanes32`` (1.2)  yes           3.886 (+0.05)  95.1 (0.57x) Zen 4; 149.2 (1.07x) Xeon+AMX
+fast        ``lanes32`` (1.2)  no            4.623 (+0.79)  338.5 (2.02x) Zen 4; 285.7 (2.04x) Xeon+AMX
+==========  =================  ============  =============  ==========================================
 
-Measured by ``python -m kvz.benchmarks.speed`` (``benchmarks/results/speed.md``): Gemma 3 270M,
-8 held-out 2,048-token caches, eps 0.0267, tensor scope, one core of an Intel Xeon with AVX-512.
+Measured by ``python -m kvz.benchmarks.speed`` (``benchmarks/results/speed.md``, an AMD EPYC with
+AVX-512 VNNI and no AMX; ``speed-xeon-amx.md``, an earlier run on an Intel Xeon whose AMX tiles
+run the map products): Gemma 3 270M, 8 held-out 2,048-token caches, eps 0.0267, tensor scope.
+The maps' exact products dominate ``default`` and ``balanced`` where there is no AMX.
 
 ``lanes32`` (format 1.2) decodes 32 lanes in lock-step with SIMD gathers; its 12-bit tables and
 per-lane states cost the ~0.05 bit. Without linear maps (the cross-layer and K->V predictors, 612
