@@ -118,13 +118,12 @@ def _make_row(kind: int, interp: bool):
             return None
         return types.void(*a), codegen
 
-    if interp:
-        def typer(typingctx, base, t, qt, lt, dt, dl, dr, both, mask, mean, cos, sin, h, rec, nat, fmax):
-            return check((base, t, qt, lt, dt, dl, dr, both, mask, mean, cos, sin, h, rec, nat, fmax),
-                         (0, 2, 8, 9, 10, 11, 13, 14))
-    else:
-        def typer(typingctx, base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax):
-            return check((base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax), (0, 2, 5, 6, 7, 9, 10))
+    def interp_typer(typingctx, base, t, qt, lt, dt, dl, dr, both, mask, mean, cos, sin, h, rec, nat, fmax):
+        return check((base, t, qt, lt, dt, dl, dr, both, mask, mean, cos, sin, h, rec, nat, fmax),
+                     (0, 2, 8, 9, 10, 11, 13, 14))
+
+    def plain_typer(typingctx, base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax):
+        return check((base, t, qt, lt, dt, mean, cos, sin, h, rec, nat, fmax), (0, 2, 5, 6, 7, 9, 10))
 
     def codegen(context, builder, sig, args):
         ta = sig.args
@@ -197,7 +196,7 @@ def _make_row(kind: int, interp: bool):
             emit(recon(i), i)
         return context.get_dummy_value()
 
-    return intrinsic(typer)
+    return intrinsic(interp_typer if interp else plain_typer)
 
 
 plain_row_f32, plain_row_bf16, plain_row_f16 = (_make_row(k, False) for k in range(3))
