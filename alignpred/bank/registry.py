@@ -189,7 +189,9 @@ def resolve_bank(ref, layout=None, *, session=None):
                 "(fit_bank([cache]) with embed_bank=True)")
         raise BankMismatchError(f"compression needs a calibration bank (bank=...){hint}")
     if session is not None and isinstance(ref, (str, os.PathLike)):
-        hit = session.get(os.fspath(ref)) or _session_hit(session, os.fspath(ref))
+        hit = session.get(os.fspath(ref))
+        if hit is None:
+            hit = _session_hit(session, os.fspath(ref))
         if hit is not None:
             return hit
     bank = find(ref, layout)

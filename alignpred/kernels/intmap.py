@@ -293,14 +293,17 @@ class IntMap:
 
 
 _local = threading.local()
+_XQ_KEEP = 1 << 23          # int16 values (16 MiB) a thread keeps for the next call
 
 
 def _xq_scratch(S: int, n: int, kp2: int) -> np.ndarray:
     """This thread's int16 ``[S, n, kp2]`` buffer for the quantised sources of one product (reused
     across calls: fresh memory costs a page fault per 4 KiB on first touch, ~1.7 us each on a
     2-core VM, more than quantising into it)."""
-    buf = getattr(_local, "xq", None)
     need = S * n * kp2
+    if need > _XQ_KEEP:   # a long range's sources: not kept for the thread's lifetime
+        return np.empty((S, n, kp2), np.int16)
+    buf = getattr(_local, "xq", None)
     if buf is None or buf.size < need:
         buf = _local.xq = np.empty(max(need, 1), np.int16)
     return buf[:need].reshape(S, n, kp2)

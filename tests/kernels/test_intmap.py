@@ -345,3 +345,17 @@ def test_panels_start_on_a_cache_line():
     for m in (16, 256):
         wb = im.block_weights(im.pack_weights(np.ones((3, m, 256), np.int16)))
         assert wb.ctypes.data % 64 == 0 and wb.flags.c_contiguous and (wb.reshape(-1)[:8] == 1).all()
+
+
+def test_long_ranges_skip_the_thread_scratch_and_agree():
+    """Sources too long for the per-thread scratch of quantised rows (over 16 MiB) get their own
+    buffer; rows are independent, so the whole range equals its halves (which use the scratch)."""
+    rng = np.random.default_rng(7)
+    S, d_in, d_out = 3, 64, 16
+    n = im._XQ_KEEP // (S * d_in) + 100
+    m = im.IntMap((rng.standard_normal((S * d_in, d_out)) * 0.1).astype(np.float32), S)
+    srcs = [rng.standard_normal((n, d_in)).astype(np.float32) for _ in range(S)]
+    whole = m.predict(srcs)
+    h = n // 2
+    halves = np.concatenate([m.predict([x[:h] for x in srcs]), m.predict([x[h:] for x in srcs])])
+    np.testing.assert_array_equal(whole.view(np.int32), halves.view(np.int32))
