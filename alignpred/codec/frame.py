@@ -45,6 +45,7 @@ class Frame:
         self.rope_on = layout.keys_roped and config.rope_undo
         self.legacy_rope = layout.rope is None and config.arith == "float"
         self._zero: dict = {}
+        self._rope_args: dict = {}   # (table index, start, n) -> rope_args' tuple
 
     def _rope(self, x, blk, start: int, inverse: bool):
         lay = self.layout
@@ -63,14 +64,23 @@ class Frame:
         the block's rows are not rotated. Exact arithmetic only."""
         if blk.kind != "K" or not self.rope_on:
             return None
-        table = self.layout.rope_spec.table(blk.layer)
-        if table is None:
+        spec = self.layout.rope_spec
+        ix = spec.layer_table[blk.layer]
+        if ix < 0:
             return None
-        cos, sin = table.cos_sin(start + self.layout.position_offset, n)
-        s = np.float32(table.attention_scaling)
-        if s != 1:
-            cos, sin = cos * s, sin * s
-        return cos, sin, table.rotary_dim, table.pairing
+        key = (ix, start, n)   # layers sharing a table ask for the same rows: made once per range
+        hit = self._rope_args.get(key)
+        if hit is None:
+            table = spec.tables[ix]
+            cos, sin = table.cos_sin(start + self.layout.position_offset, n)
+            s = np.float32(table.attention_scaling)
+            if s != 1:
+                cos, sin = cos * s, sin * s
+            hit = (cos, sin, table.rotary_dim, table.pairing)
+            if len(self._rope_args) >= 64:
+                self._rope_args.clear()
+            self._rope_args[key] = hit
+        return hit
 
     def to_frame(self, x: np.ndarray, blk, start: int) -> np.ndarray:
         """Native block rows ``[n, d]`` (file positions from ``start``) -> coding frame (float32)."""

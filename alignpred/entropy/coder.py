@@ -138,10 +138,9 @@ def _as_ids(model_ids, C: int, err) -> np.ndarray:
     ids = np.asarray(model_ids)
     if ids.shape != (C,) or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
         raise err(f"model_ids must be an integer array of shape ({C},), got {ids.shape}")
-    ids = ids.astype(np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= N_MODELS):
+    if ids.size and (ids.max() >= N_MODELS or (ids.dtype.kind == "i" and ids.min() < 0)):
         raise err(f"model id out of range [0, {N_MODELS})")
-    return ids
+    return ids.astype(np.int64, copy=False)   # read only: no copy of an int64 array
 
 
 def histogram(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,8 @@ True
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -340,6 +342,35 @@ def _post(base, q, delta, chan, has_chan, interp, S, mean, cos, sin, r, interlea
 
 
 _KINDS = {"float32": OUT_F32, "bfloat16": OUT_BF16, "float16": OUT_F16}
+_NO_F32 = np.zeros((0, 0), np.float32)   # the native view a kind does not write (never written)
+_NO_U16 = np.zeros((0, 0), np.uint16)
+_scratch = threading.local()
+
+
+def _post_scratch(d: int) -> tuple:
+    """This thread's scratch rows for :func:`_post` (``qt [TILE+1, d]`` i32, ``xrow``, ``vrow``
+    ``[d]`` f32, ``srow [3, d]`` f32, ``ones [d]`` f32), kept per width: fresh arrays per block
+    cost an allocation each, and the decoder calls this once per block."""
+    hit = getattr(_scratch, "bufs", None)
+    if hit is None or hit[0] != d:
+        ones = np.ones(d, np.float32)
+        ones.setflags(write=False)
+        hit = _scratch.bufs = (d, np.empty((_TILE + 1, d), np.int32), np.empty(d, np.float32),
+                               np.empty(d, np.float32), np.empty((3, d), np.float32), ones)
+    return hit[1:]
+
+
+def _f32_vector(a, n: int, msg: str) -> np.ndarray:
+    """``a`` as a contiguous float32 ``[n]`` (no copy when it is one), else ValueError(msg)."""
+    if type(a) is not np.ndarray or a.dtype != np.float32 or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, np.float32)
+    if a.shape != (n,):
+        raise ValueError(msg)
+    return a
+
+
+def _unit_columns(a) -> bool:
+    return not (a.shape[0] and a.shape[1]) or a.strides[1] == a.itemsize
 
 
 def fused_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype, rec=None, native=None, chan=None):
@@ -359,23 +390,26 @@ def fused_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype,
     if base.dtype != np.float32 or base.ndim != 2:
         raise TypeError("base must be float32 [n, d]")
     n, d = base.shape
-    q = np.ascontiguousarray(q)
+    if type(q) is not np.ndarray or not q.flags.c_contiguous:
+        q = np.ascontiguousarray(q)
     if q.shape != (d, n) or q.dtype != np.int32:
         raise TypeError("q must be int32 [d, n]")
-    delta = np.ascontiguousarray(delta, np.float32)
-    mean = np.ascontiguousarray(mean, np.float32)
+    shapes = "delta [n], mean [d] and interp [d] expected"
+    delta = _f32_vector(delta, n, shapes)
+    mean = _f32_vector(mean, d, shapes)
     interp_u8 = np.ascontiguousarray(interp, bool).view(np.uint8)
-    if delta.shape != (n,) or mean.shape != (d,) or interp_u8.shape != (d,):
-        raise ValueError("delta [n], mean [d] and interp [d] expected")
+    if interp_u8.shape != (d,):
+        raise ValueError(shapes)
     if object_size <= 0 or object_size % 2:
         raise ValueError("object_size must be even and positive")
     if rope is None:
-        cos = sin = np.zeros((n, 0), np.float32)
+        cos = sin = _NO_F32
         r, interleaved = 0, False
     else:
         cos, sin, r, pairing = rope
         if pairing not in ("half", "interleaved"):
             raise ValueError(f"unknown RoPE pairing {pairing!r}")
+        interleaved = pairing == "interleaved"
         r = int(r)
         if r % 2 or not 0 <= r <= d:
             raise ValueError("rotary dims must be even and <= d")
@@ -383,7 +417,8 @@ def fused_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype,
         sin = np.asarray(sin, np.float32)
         if cos.shape != (n, r // 2) or sin.shape != (n, r // 2):
             raise ValueError("cos/sin must be float32 [n, r/2]")
-        interleaved = pairing == "interleaved"
+        if n == 0:
+            cos = sin = _NO_F32
     if rec is None:
         rec = np.empty((n, d), np.float32)
     elif rec.shape != (n, d) or rec.dtype != np.float32:
@@ -392,18 +427,14 @@ def fused_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype,
         native = np.empty((n, d), dt)
     elif native.shape != (n, d) or native.dtype not in (dt, np.dtype(np.uint16) if kind else dt):
         raise ValueError(f"native must be [n, d] of {dt}")
-    nat32 = native if kind == OUT_F32 else np.zeros((0, 0), np.float32)
-    nat16 = native.view(np.uint16) if kind != OUT_F32 else np.zeros((0, 0), np.uint16)
-    qt = np.empty((_TILE + 1, d), np.int32)
-    xrow = np.empty(d, np.float32)
+    nat32 = native if kind == OUT_F32 else _NO_F32
+    nat16 = native.view(np.uint16) if kind != OUT_F32 else _NO_U16
+    qt, xrow, vrow, srow, ones = _post_scratch(d)
     has_chan = chan is not None
-    chan = np.ascontiguousarray(chan, np.float32) if has_chan else np.ones(d, np.float32)
-    if chan.shape != (d,):
-        raise ValueError("chan [d] expected")
+    chan = _f32_vector(chan, d, "chan [d] expected") if has_chan else ones
     # the vector row kernels' preconditions (fused_rows): whole vectors, half pairing, unit column strides
-    vec = (d % 16 == 0 and (r // 2) % 16 == 0 and not (r and interleaved)
-           and all(a.strides[1] == a.itemsize for a in (base, rec, native, cos, sin) if a.shape[0] and a.shape[1]))
+    vec = (d % 16 == 0 and (r // 2) % 16 == 0 and not (r and interleaved) and _unit_columns(base)
+           and _unit_columns(rec) and _unit_columns(native) and _unit_columns(cos) and _unit_columns(sin))
     _post(base, q, delta, chan, has_chan, interp_u8, int(object_size), mean, cos, sin, r, interleaved,
-          np.float32(fmax), kind, rec, nat32, nat16, qt, xrow, np.empty(d, np.float32), np.empty((3, d), np.float32),
-          vec)
+          np.float32(fmax), kind, rec, nat32, nat16, qt, xrow, vrow, srow, vec)
     return rec, native

@@ -170,3 +170,26 @@ def test_channel_steps_match_the_definition_and_the_encoder(dtype, n):
     assert np.array_equal(ones.view(np.uint32), plain.view(np.uint32))
     step = delta[:, None] * chan[None, :]  # float32 products, as the spec's delta_{r,c}
     assert np.array_equal(dequant_add(base, q.T.copy(), delta, chan), base + q.astype(np.float32) * step)
+
+
+def test_scratch_rows_shared_across_widths_and_threads():
+    """The per-thread scratch rows (kept between calls) never carry one block's values into the
+    next: alternating widths in one thread, and blocks in several threads at once, equal the
+    reference bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(5)
+    cases = [_case(rng, n, d, 256, dtype, rope_kind) for n, d in ((40, 32), (33, 256), (64, 48), (7, 32))
+             for dtype, rope_kind in ((ml_dtypes.bfloat16, "half"), (np.float32, "interleaved"))]
+    for args in cases + cases[::-1]:
+        _check(args, strided=False)
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda a: _check(a, strided=False), cases * 3))
+
+
+def test_channel_steps_of_the_wrong_length_are_refused():
+    base = np.zeros((4, 16), np.float32)
+    q = np.zeros((16, 4), np.int32)
+    with pytest.raises(ValueError, match="chan"):
+        fused_post(base, q, np.ones(4, np.float32), np.zeros(16, bool), 256, np.zeros(16, np.float32), None,
+                   1.0, np.float32, chan=np.ones(8, np.float32))
