@@ -46,6 +46,7 @@ def _after_fork_in_child() -> None:
     the fork); the child makes its own pools on first use."""
     global _POOL_LOCK, _LOCK, _CONTROLLER
     _POOLS.clear()
+    _HELPERS.clear()
     _POOL_LOCK = threading.Lock()
     _LOCK = threading.Lock()
     _CONTROLLER = None
@@ -63,6 +64,20 @@ def pool(n: int) -> ThreadPoolExecutor:
         if p is None:
             p = _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvz")
         return p
+
+
+_HELPERS: list = []
+
+
+def helper_pool() -> ThreadPoolExecutor:
+    """kvz's threads for work that waits on nothing but its own input (a decode's symbols decoded
+    ahead, :class:`~alignpred.codec.decoder.Decoder`): kept apart from :func:`pool`, whose work
+    may wait on it, so that no wait can close a cycle (one per process, as many threads as the
+    process may use cores)."""
+    with _POOL_LOCK:
+        if not _HELPERS:
+            _HELPERS.append(ThreadPoolExecutor(max_workers=default_threads(), thread_name_prefix="kvz-helper"))
+        return _HELPERS[0]
 
 
 def stepwise(ctx, it):
@@ -113,9 +128,10 @@ _ROWS = threading.local()
 def split_rows(n: int):
     """Inside the block, kvz's row-independent kernels called from *this* thread (the exact map
     products, :meth:`alignpred.kernels.intmap.IntMap.predict`) split their rows over ``n`` of
-    kvz's threads: what lets one object -- a 256-token chunk -- decode on several cores, where
-    ``threads=`` alone splits only whole objects. Rows are independent (per-row scales), so the
-    bits do not depend on ``n``. Other threads are not affected.
+    kvz's threads. Rows are independent (per-row scales), so the bits do not depend on ``n``.
+    Other threads are not affected. (:class:`~alignpred.format.reader.KvzReader` does not use it:
+    a hand-off per product cost more than it saved on the 2-core VMs measured; a one-object
+    range decodes its symbols ahead on another thread instead.)
 
     >>> with split_rows(2):
     ...     row_threads()

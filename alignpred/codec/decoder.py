@@ -90,6 +90,67 @@ class _Buffers:
             self.free.append(a)
 
 
+_AHEAD_MAX_BYTES = 32 << 20   # symbols a range may decode ahead (int32); larger ranges decode in turn
+_AHEAD_KEEP = 2                # buffers kept for later decodes
+_ahead_free: list = []
+_ahead_lock = threading.Lock()
+
+
+def _take_ahead_buffer(n_values: int) -> np.ndarray:
+    """An int32 buffer of at least ``n_values`` for symbols decoded ahead, reused across decodes
+    (fresh pages cost a fault each; a one-object range of Gemma 3 270M needs 9.4 MB), never
+    shared by two decodes at once: give it back with :func:`_give_ahead_buffer`."""
+    with _ahead_lock:
+        for i, b in enumerate(_ahead_free):
+            if b.size >= n_values:
+                return _ahead_free.pop(i)
+    return np.empty(n_values, np.int32)
+
+
+def _give_ahead_buffer(buf: np.ndarray) -> None:
+    with _ahead_lock:
+        if len(_ahead_free) < _AHEAD_KEEP:
+            _ahead_free.append(buf)
+
+
+class _SymbolsAhead:
+    """The symbols of every tensor of a range, decoded in tensor order by another thread while
+    this one predicts and reconstructs: a tensor's symbols depend on its payloads alone, so the
+    entropy stage (and the payloads' checksums) overlap the rest.  :meth:`get` waits for tensor
+    ``ti`` and raises its error, if any, in the caller's thread."""
+
+    def __init__(self, work, n_tensors: int, pool):
+        self._work = work
+        self._ready = [threading.Event() for _ in range(n_tensors)]
+        self._out: list = [None] * n_tensors
+        self._stop = False
+        self._future = pool.submit(self._run)
+
+    def _run(self) -> None:
+        for ti, ev in enumerate(self._ready):
+            if self._stop:
+                break
+            try:
+                self._out[ti] = (True, self._work(ti))
+            except BaseException as e:   # handed to the consumer at this tensor, then stop
+                self._out[ti] = (False, e)
+                ev.set()
+                break
+            ev.set()
+
+    def get(self, ti: int):
+        self._ready[ti].wait()
+        ok, value = self._out[ti]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        """Stop after the tensor in progress and wait for it (the buffer is the caller's again)."""
+        self._stop = True
+        self._future.result()
+
+
 class Decoder(Chain):
     """Decode objects back to native tensors. ``timer``: an optional :class:`StageTimer`."""
 
@@ -144,7 +205,16 @@ class Decoder(Chain):
                                            q[:, c0:c0 + sum(widths)])
         return q, deltas, zero
 
-    def decode_range(self, metas: list, fetch, j0: int, j1: int, layers=None, out=None, refine_fetch=None):
+    def _tensor_input(self, metas: list, fetch, ti: int, layer: int, j0: int, j1: int, n_rows: int, q):
+        """What tensor ``ti`` (of ``layer``) takes that no prediction does: its symbols (into
+        ``q``), the per-row steps, the zero-row mask and whether any row is zero."""
+        meta = metas[ti]
+        q, deltas, zero = self._symbols(meta.models, fetch, ti, j0, j1, n_rows, meta.name, q)
+        delta_rows, zr = self.delta_rows(deltas, zero, j0 * self.config.object_size, n_rows, layer, meta.row_steps())
+        return q, delta_rows, zr, bool(zero.any())   # any: once per tensor (zr.any() per block held the GIL)
+
+    def decode_range(self, metas: list, fetch, j0: int, j1: int, layers=None, out=None, refine_fetch=None,
+                     ahead=None):
         """Decode objects ``j0..j1-1`` of every tensor up to the last layer in ``layers`` (an
         iterable of layer indices; default all); yield ``(ti, name, array [kv_heads, rows, d])``
         for the tensors of ``layers``. ``fetch(tensor_index, object_index)`` returns ``(entry,
@@ -152,25 +222,53 @@ class Decoder(Chain):
         (optional) returns the array ``[kv_heads, rows, d]`` (a view into the caller's buffer, of
         the layout's dtype) to write tensor ``ti`` into; otherwise arrays are allocated. With
         ``refine_fetch`` (same contract, refinement objects) the exact tier is decoded: the coarse
-        values refined to the original bits."""
+        values refined to the original bits. ``ahead``: an executor with a free worker: the
+        symbols of every tensor are decoded there, in tensor order, while this thread predicts and
+        reconstructs (for a range of one object, where the objects cannot be split over threads;
+        the same bits)."""
         lay = self.layout
         S = self.config.object_size
         H, d = lay.kv_heads, lay.head_dim
         wanted = set(range(lay.num_layers)) if layers is None else set(layers)
         last = max(wanted)
+        n_rows = min(lay.n_tokens, j1 * S) - j0 * S
+        layer_of = [layer for layer, _ in lay.tensors() if layer <= last]
+        n_tensors = len(layer_of)
+        n_values = n_tensors * H * d * n_rows
+        if ahead is None or n_values * 4 > _AHEAD_MAX_BYTES:
+            yield from self._tensors(metas, fetch, j0, j1, n_rows, wanted, last, out, refine_fetch, None)
+            return
+        raw = _take_ahead_buffer(n_values)
+        q_all = raw[:n_values].reshape(n_tensors, H * d, n_rows)
+
+        def work(ti):
+            return self._tensor_input(metas, fetch, ti, layer_of[ti], j0, j1, n_rows, q_all[ti])
+
+        pre = _SymbolsAhead(work, n_tensors, ahead)
+        try:
+            yield from self._tensors(metas, fetch, j0, j1, n_rows, wanted, last, out, refine_fetch, pre)
+        finally:
+            pre.close()   # the other thread is done with the buffer before it is reused
+            _give_ahead_buffer(raw)
+
+    def _tensors(self, metas, fetch, j0: int, j1: int, n_rows: int, wanted: set, last: int, out, refine_fetch, pre):
+        """:meth:`decode_range`'s tensor loop (``pre``: symbols decoded ahead, or None)."""
+        lay = self.layout
+        S = self.config.object_size
+        H, d = lay.kv_heads, lay.head_dim
         start = j0 * S
         recon: dict = {}
-        n_rows = min(lay.n_tokens, j1 * S) - start
-        q_buf = np.empty((H * d, n_rows), np.int32)   # every tensor's symbols in turn
+        q_buf = None if pre is not None else np.empty((H * d, n_rows), np.int32)   # every tensor's in turn
         bufs = _Buffers((n_rows, d))
         exact = self.config.arith == "exact"
         for ti, (layer, kind) in enumerate(lay.tensors()):
             if layer > last:
                 break
             meta = metas[ti]
-            q, deltas, zero = self._symbols(meta.models, fetch, ti, j0, j1, n_rows, meta.name, q_buf)
-            delta_rows, zr = self.delta_rows(deltas, zero, start, n_rows, layer, meta.row_steps())
-            any_zero = bool(zero.any())   # once per tensor (zr.any() per block held the GIL)
+            if pre is not None:
+                q, delta_rows, zr, any_zero = pre.get(ti)
+            else:
+                q, delta_rows, zr, any_zero = self._tensor_input(metas, fetch, ti, layer, j0, j1, n_rows, q_buf)
             emit = layer in wanted
 
             dst: Any = None
