@@ -8,13 +8,13 @@ and the config as always, so a reader needs nothing else: a profile never appear
 ==========  =================  ============  =============  ==========================================
 profile     entropy coder      linear maps   bits/value     one-core decode, M values/s (x SZ3)
 ==========  =================  ============  =============  ==========================================
-default     ``rans4``          yes           3.837          75.9 (0.45x) Zen 4; 111.5 (0.80x) Xeon+AMX
-balanced    ``lanes32`` (1.2)  yes           3.886 (+0.05)  95.1 (0.57x) Zen 4; 149.2 (1.07x) Xeon+AMX
-fast        ``lanes32`` (1.2)  no            4.623 (+0.79)  338.5 (2.02x) Zen 4; 285.7 (2.04x) Xeon+AMX
+default     ``rans4``          yes           3.837          75.9 (0.45x) Zen 4; 108.5 (0.84x) Xeon+AMX
+balanced    ``lanes32`` (1.2)  yes           3.886 (+0.05)  95.1 (0.57x) Zen 4; 159.7 (1.24x) Xeon+AMX
+fast        ``lanes32`` (1.2)  no            4.623 (+0.79)  338.5 (2.02x) Zen 4; 357.5 (2.78x) Xeon+AMX
 ==========  =================  ============  =============  ==========================================
 
 Measured by ``python -m kvz.benchmarks.speed`` (``benchmarks/results/speed.md``, an AMD EPYC with
-AVX-512 VNNI and no AMX; ``speed-xeon-amx.md``, an earlier run on an Intel Xeon whose AMX tiles
+AVX-512 VNNI and no AMX; ``speed-xeon-amx.md``, an Intel Xeon whose AMX tiles
 run the map products): Gemma 3 270M, 8 held-out 2,048-token caches, eps 0.0267, tensor scope.
 The maps' exact products dominate ``default`` and ``balanced`` where there is no AMX.
 
