@@ -9,6 +9,7 @@
 
 This layer imports nothing else of kvz but :mod:`alignpred.errors`.
 """
+from alignpred.kernels.amx_probe import amx_mix
 from alignpred.kernels.fused import fused_post, reference_post
 from alignpred.kernels.intmap import (
                                       IntMap,
@@ -35,7 +36,7 @@ from alignpred.kernels.quantize_ref import (
 INTMAP_TILING = {"BX": BX, "BW": BW, "XQ_MAX": XQ_MAX, "WQ_MAX": WQ_MAX, "K_CHUNK": K_CHUNK,
                  "block": [R_BLK, COL_BLK]}
 
-__all__ = ["amx_enabled", "map_predict_kernel", "INTMAP_TILING", "IntMap", "channel_shifts", "map_predict",
+__all__ = ["amx_enabled", "amx_mix", "map_predict_kernel", "INTMAP_TILING", "IntMap", "channel_shifts", "map_predict",
            "pack_weights", "prepare_weights", "quantize_rows", "quantize_weights", "reference_predict", "fused_post",
            "reference_post", "candidate_bits", "column_entropy_bits", "dequant_add", "quantize",
            "channel_entropy_bits", "dequantize_residual", "interp_prediction", "quantize_residual"]

@@ -26,3 +26,14 @@ def test_bad_arguments_are_usage_errors():
 
     with pytest.raises(SystemExit):
         amx_mix.main(["--rows", "8"])
+
+
+def test_refused_where_amx_does_not_run(monkeypatch):
+    from alignpred.kernels import amx_mix
+    from kvz.benchmarks import amx_mix as bench
+
+    monkeypatch.setenv("KVZ_AMX", "0")
+    with pytest.raises(RuntimeError, match="AMX"):
+        amx_mix(1, 16, 1)
+    with pytest.raises(SystemExit, match="AMX"):
+        bench.main(["--rows", "16", "--rounds", "1"])
