@@ -292,9 +292,9 @@ class KvzReader:
             return lambda ti: dest(ti)[:, (g0 - j0) * S:min(lay.n_tokens, g1 * S) - j0 * S]
 
         tile = max(1, TILE_TOKENS // S) if tiled else 0
-        # one object range on several threads: its symbols are decoded ahead on another thread (the
-        # rows' map products split over the threads, split_rows, measured slower: 26.1 against 22.6 ms
-        # for one 256-token object of Gemma 3 270M on a 2-core Xeon; decoding ahead 19.9)
+        # one object range on several threads: its symbols are decoded ahead on another thread (one
+        # 256-token object of Gemma 3 270M on a 2-core Xeon: 22.4 ms on one thread, 18.5-19.2 so on
+        # two; the rows' map products split over the threads, split_rows, took 26.1)
         ahead = helper_pool() if len(groups) == 1 and self.threads > 1 else None
 
         def group(g0, g1):
