@@ -9,7 +9,6 @@
 
 This layer imports nothing else of kvz but :mod:`alignpred.errors`.
 """
-from alignpred.kernels.amx_probe import amx_mix
 from alignpred.kernels.fused import fused_post, reference_post
 from alignpred.kernels.intmap import (
                                       IntMap,
@@ -40,3 +39,14 @@ __all__ = ["amx_enabled", "amx_mix", "map_predict_kernel", "INTMAP_TILING", "Int
            "pack_weights", "prepare_weights", "quantize_rows", "quantize_weights", "reference_predict", "fused_post",
            "reference_post", "candidate_bits", "column_entropy_bits", "dequant_add", "quantize",
            "channel_entropy_bits", "dequantize_residual", "interp_prediction", "quantize_residual"]
+
+
+def __getattr__(name: str):
+    """``amx_mix`` (:mod:`~alignpred.kernels.amx_probe`, a timing probe) is imported on first use:
+    every kvz process imports this package, and the probe's kernels cost ~1.3 ms to define."""
+    if name == "amx_mix":
+        from alignpred.kernels.amx_probe import amx_mix
+
+        return amx_mix
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+

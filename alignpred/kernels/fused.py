@@ -417,8 +417,6 @@ def fused_post(base, q, delta, interp, object_size, mean, rope, fmax, out_dtype,
         sin = np.asarray(sin, np.float32)
         if cos.shape != (n, r // 2) or sin.shape != (n, r // 2):
             raise ValueError("cos/sin must be float32 [n, r/2]")
-        if n == 0:
-            cos = sin = _NO_F32
     if rec is None:
         rec = np.empty((n, d), np.float32)
     elif rec.shape != (n, d) or rec.dtype != np.float32:
