@@ -7,7 +7,13 @@ timed whole and with parts taken out, on the decoder's shape, to show where its 
 * ``tiles``: the same tile loads, products and stores, no epilogue;
 * ``products``: the tile products and stores only (no operand loads: the tiles hold stale bytes);
 * ``products, 4 tiles``: as ``products`` with the two middle products in separate tiles (no
-  product waits on the other's result).
+  product waits on the other's result);
+* ``... sources joined``: as ``tiles`` / ``products``, but every source's products go into one
+  set of accumulator tiles, zeroed and stored once per item instead of once per source.  This
+  is the loop that a bitstream where sources share per-row and per-column exponents would allow.
+  Today's maps scale each source on its own, so this loop does not compute their prediction.
+* ``tiles, sources joined, operands in L1``: as ``tiles, sources joined``, with every tile load
+  reading the same 1 KiB operand.  Nothing comes from L2, which shows what the loads cost.
 
 Only ``kernel`` computes a prediction; the others are timing probes whose outputs are unused.
 """
@@ -36,9 +42,11 @@ def _config8() -> np.ndarray:
 
 
 @njit(nogil=True)
-def _probe(xh, xl, n, wh, wl, cfg, acc, loads, apart):
+def _probe(xh, xl, n, wh, wl, cfg, acc, loads, apart, joined=False, hot=False):
     """The tile loop of ``_products`` (every item, every source, every 64-channel step) without the
-    epilogue; ``loads``: load the operand tiles; ``apart``: the xl.wh product into its own tile."""
+    epilogue; ``loads``: load the operand tiles; ``apart``: the xl.wh product into its own tile;
+    ``joined``: zero and store the accumulators once per item, not once per source; ``hot``: every
+    load reads the first operand (L1-resident)."""
     ngrp, kq = wh.shape[1], wh.shape[2]
     S = wh.shape[0]
     K64 = 4 * kq
@@ -51,13 +59,16 @@ def _probe(xh, xl, n, wh, wl, cfg, acc, loads, apart):
         g = it % ngrp
         t0 = 16 * (it // ngrp)
         for s in range(S):
-            amx._zero_hh()
-            amx._zero_mid()
-            amx._zero_ll()
-            if apart:
-                _zero_7()
+            if s == 0 or not joined:
+                amx._zero_hh()
+                amx._zero_mid()
+                amx._zero_ll()
+                if apart:
+                    _zero_7()
             xo = s * src_bytes + t0 * K64
             wo = s * w_src + g * kq * 64
+            if hot:
+                xo = wo = 0
             for k in range(K64 // 64):
                 if loads:
                     amx._load_xh(xh, xo + 64 * k, xstride)
@@ -71,6 +82,8 @@ def _probe(xh, xl, n, wh, wl, cfg, acc, loads, apart):
                 else:
                     amx._dot_lh()
                 amx._dot_ll()
+            if joined and s < S - 1:
+                continue
             ab = np.int64(4096 * (S * (it & 1) + s))
             amx._store_hh(acc, ab, np.int64(64))
             amx._store_mid(acc, ab + 1024, np.int64(64))
@@ -93,7 +106,9 @@ def _best(fn, rounds: int) -> float:
 def amx_mix(sources: int = 3, rows: int = 2048, rounds: int = 30) -> list[dict]:
     """Best-of-``rounds`` time (``ms``) and int16 multiply-adds per second (``gmacs``) of each
     way (``kernel``, ``tiles``, ``products``, ``products, 4 tiles``; see the module docstring) on
-    ``sources`` random sources of ``rows`` x 256 into 256 columns, in this thread.  RuntimeError
+    ``sources`` random sources of ``rows`` x 256 into 256 columns, in this thread.  Every way
+    counts the same ``sources * rows * 256 * 256`` int16 multiply-adds (four tile byte products
+    each).  RuntimeError
     where AMX does not run (:func:`~alignpred.kernels.intmap_amx.amx_enabled`)."""
     S, n = int(sources), int(rows)
     if not amx.amx_enabled():
@@ -118,6 +133,10 @@ def amx_mix(sources: int = 3, rows: int = 2048, rounds: int = 30) -> list[dict]:
         "tiles": lambda: _probe(xh, xl, n, wh, wl, amx._CFG, acc8, True, False),
         "products": lambda: _probe(xh, xl, n, wh, wl, amx._CFG, acc8, False, False),
         "products, 4 tiles": lambda: _probe(xh, xl, n, wh, wl, cfg8, acc8, False, True),
+        "tiles, sources joined": lambda: _probe(xh, xl, n, wh, wl, amx._CFG, acc8, True, False, True),
+        "products, sources joined": lambda: _probe(xh, xl, n, wh, wl, amx._CFG, acc8, False, False, True),
+        "tiles, sources joined, operands in L1": lambda: _probe(xh, xl, n, wh, wl, amx._CFG, acc8, True, False,
+                                                                 True, True),
     }
     out_rows = []
     for name, fn in ways.items():

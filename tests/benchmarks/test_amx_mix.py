@@ -10,15 +10,19 @@ from alignpred.kernels import amx_enabled
 def test_probe_runs_and_writes_its_rows(tmp_path):
     from kvz.benchmarks import amx_mix
 
-    speed = tmp_path / "speed.json"
-    speed.write_text(json.dumps({"bound": {"int_peak": {"peak_gmacs": 800.0}}}))
     out = tmp_path / "mix.json"
-    res = amx_mix.main(["--sources", "2", "--rows", "64", "--rounds", "2", "--out", str(out),
-                        "--peak-from", str(speed)])
-    assert [r["way"] for r in res["results"]] == ["kernel", "tiles", "products", "products, 4 tiles"]
+    res = amx_mix.main(["--sources", "2", "--rows", "64", "--rounds", "2", "--out", str(out)])
+    assert [r["way"] for r in res["results"]] == [
+        "kernel", "tiles", "products", "products, 4 tiles", "tiles, sources joined", "products, sources joined",
+        "tiles, sources joined, operands in L1"]
     assert all(r["ms"] > 0 and r["gmacs"] > 0 for r in res["results"])
-    assert res["peak_gmacs"] == 800.0 and json.loads(out.read_text())["macs"] == 2 * 64 * 256 * 256
-    assert "share of peak" in (tmp_path / "mix.md").read_text()
+    assert json.loads(out.read_text())["macs"] == 2 * 64 * 256 * 256
+    md = (tmp_path / "mix.md").read_text()
+    if res["peak_gmacs"]:   # measured in the same run (needs a C compiler for the register-only probe)
+        assert res["peak_gmacs"] == max(p for p in res["peak_before_after"] if p)
+        assert "share of peak" in md and "measured in this run" in md
+    else:
+        assert "not measured" in md
 
 
 def test_bad_arguments_are_usage_errors():
