@@ -34,7 +34,6 @@ import os
 from alignpred.kernels import amx_enabled, amx_mix
 from kvz.benchmarks.harness import code_revision, machine_info, parser, write_json, write_text
 
-
 _AMX_PEAK = "tdpbssd (AMX-INT8), int16 equivalent"
 
 

@@ -18,7 +18,9 @@ measures, side by side in one run:
 values/s (median of ``--repeats``), the per-chunk overhead against whole-file decode, and peak
 memory (tracemalloc: numpy allocations) of decoding one layer of one chunk into the caller's
 buffers, at 1–8 chunks so that a per-token slope (what grows with the chunk) is separated from the
-fixed cost; the slope is compared with the raw size of one layer's K+V per token.
+fixed cost; the slope is compared with the raw size of one layer's K+V per token. ``read_into``
+works ``TILE_TOKENS`` at a time, so memory grows up to one tile and not beyond it: the slope
+between the points of at least one tile (``slope_beyond_tile_over_raw``) is the bound that counts.
 Threads: one (pinned before numpy loads), so the figures are per core.
 """
 from __future__ import annotations
@@ -95,11 +97,17 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int 
     ns = np.array([p[0] for p in peaks], float)
     pk = np.array([p[1] for p in peaks], float)
     slope, fixed = np.polyfit(ns, pk, 1) if len(ns) > 1 else (pk[0] / ns[0], 0.0)
+    from alignpred.format import TILE_TOKENS
+
+    past = ns >= TILE_TOKENS
+    beyond = float(np.polyfit(ns[past], pk[past], 1)[0]) if past.sum() > 1 else None
     raw_per_token = 2 * lay.kv_heads * lay.head_dim * dt.itemsize  # one layer's K + V
     res["memory"] = {"layer": layer, "points": [{"tokens": int(n), "peak_bytes": int(p)} for n, p in peaks],
                      "slope_bytes_per_token": float(slope), "fixed_bytes": float(fixed),
                      "raw_layer_bytes_per_token": raw_per_token, "slope_over_raw": float(slope / raw_per_token),
-                     "chunk_peak_over_raw": float(peaks[0][1] / (raw_per_token * peaks[0][0]))}
+                     "chunk_peak_over_raw": float(peaks[0][1] / (raw_per_token * peaks[0][0])),
+                     "tile_tokens": TILE_TOKENS,
+                     "slope_beyond_tile_over_raw": None if beyond is None else beyond / raw_per_token}
     return res
 
 
@@ -119,7 +127,7 @@ def main(argv=None):
     bank = resolve_bank(a.bank)
     rows = []
     print(f"{'cache':<28} {'tokens':>6} {'whole':>7} {'into':>7} {'ranges':>7} {'chunks':>7}  Mvalues/s; "
-          f"{'rng/whole':>9} {'chk/whole':>9} {'ms/chunk':>8} {'mem slope/raw':>13}")
+          f"{'rng/whole':>9} {'chk/whole':>9} {'ms/chunk':>8} {'mem slope/raw':>13} {'past tile':>9}")
     for p in caches:
         try:
             row = measure(p, bank, a.eps, a.chunk, a.repeats, a.threads)
@@ -129,7 +137,8 @@ def main(argv=None):
         m = row["memory"]
         print(f"{row['cache']:<28} {row['tokens']:>6} {row['whole_mvps']:7.1f} {row['whole_into_mvps']:7.1f} "
               f"{row['ranges_mvps']:7.1f} {row['chunk_files_mvps']:7.1f}  {'':10} {row['ranges_vs_whole']:9.2f} "
-              f"{row['chunk_files_vs_whole']:9.2f} {row['overhead_per_chunk_ms']:8.2f} {m['slope_over_raw']:13.2f}",
+              f"{row['chunk_files_vs_whole']:9.2f} {row['overhead_per_chunk_ms']:8.2f} {m['slope_over_raw']:13.2f} "
+              f"{'-' if m['slope_beyond_tile_over_raw'] is None else format(m['slope_beyond_tile_over_raw'], '9.2f'):>9}",
               flush=True)
     res = {"command": command_line("loader", argv),
            "eps": a.eps, "chunk": a.chunk, "threads": a.threads, "bank_id": bank.id, "rows": rows}

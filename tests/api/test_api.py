@@ -80,7 +80,7 @@ def test_decode_into_buffers(cb):
 
 def test_read_into_memory_is_bounded_by_a_tile():
     """read_into decodes a tile of tokens through every layer at a time: decoding the last layer
-    over 8 objects needs about the working memory of one object (the earlier layers'
+    over 8 tiles needs about the working memory of one tile (the earlier layers'
     reconstructions are not held for the whole range), and the bits are those of read()."""
     import tracemalloc
 
@@ -114,8 +114,9 @@ def test_read_into_memory_is_bounded_by_a_tile():
 
 
 def test_one_object_decodes_on_several_threads_to_the_same_bits():
-    """A 256-token chunk is one object: threads= splits its map products by rows (issue 19,
-    point 3); every thread count, layer stream and sub-range gives the bits of one thread."""
+    """A 256-token chunk is one object: with threads > 1 its symbols are decoded ahead on
+    another thread (issue 19, point 3); every thread count, layer stream and sub-range gives
+    the bits of one thread, and kvz's row split is never left set in the caller's loop."""
     from alignpred.threads import row_threads
 
     c = synthetic_cache(n_layers=4, heads=2, T=256, d=64)
