@@ -19,8 +19,9 @@ values/s (median of ``--repeats``), the per-chunk overhead against whole-file de
 memory (tracemalloc: numpy allocations) of decoding one layer of one chunk into the caller's
 buffers, at 1–8 chunks so that a per-token slope (what grows with the chunk) is separated from the
 fixed cost; the slope is compared with the raw size of one layer's K+V per token. ``read_into``
-works ``TILE_TOKENS`` at a time, so memory grows up to one tile and not beyond it: the slope
-between the points of at least one tile (``slope_beyond_tile_over_raw``) is the bound that counts.
+works ``TILE_TOKENS`` at a time on each thread, so memory grows up to one tile per thread and not
+beyond it: the slope between the points of at least ``threads`` tiles
+(``slope_beyond_tile_over_raw``; None with fewer than two such points) is the bound that counts.
 Threads: one (pinned before numpy loads), so the figures are per core.
 """
 from __future__ import annotations
@@ -99,7 +100,7 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int 
     slope, fixed = np.polyfit(ns, pk, 1) if len(ns) > 1 else (pk[0] / ns[0], 0.0)
     from alignpred.format import TILE_TOKENS
 
-    past = ns >= TILE_TOKENS
+    past = ns >= TILE_TOKENS * threads   # each thread works a tile of its own part of the range
     beyond = float(np.polyfit(ns[past], pk[past], 1)[0]) if past.sum() > 1 else None
     raw_per_token = 2 * lay.kv_heads * lay.head_dim * dt.itemsize  # one layer's K + V
     res["memory"] = {"layer": layer, "points": [{"tokens": int(n), "peak_bytes": int(p)} for n, p in peaks],
