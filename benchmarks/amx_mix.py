@@ -34,15 +34,13 @@ import os
 from alignpred.kernels import amx_enabled, amx_mix
 from kvz.benchmarks.harness import code_revision, machine_info, parser, write_json, write_text
 
-_AMX_PEAK = "tdpbssd (AMX-INT8), int16 equivalent"
-
 
 def _amx_peak() -> float | None:
     """The AMX int16-equivalent peak (GMAC/s) of :func:`~kvz.benchmarks.speed.dot_peak.dot_peak`,
     or None where the probe cannot be built (no C compiler)."""
-    from kvz.benchmarks.speed.dot_peak import dot_peak
+    from kvz.benchmarks.speed.dot_peak import AMX, dot_peak
 
-    return dot_peak().get("probes", {}).get(_AMX_PEAK)
+    return dot_peak().get("probes", {}).get(AMX)
 
 
 def run(S: int, n: int, rounds: int) -> dict:

@@ -105,7 +105,8 @@ def _best(fn, rounds: int) -> float:
 
 def amx_mix(sources: int = 3, rows: int = 2048, rounds: int = 30) -> list[dict]:
     """Best-of-``rounds`` time (``ms``) and int16 multiply-adds per second (``gmacs``) of each
-    way (``kernel``, ``tiles``, ``products``, ``products, 4 tiles``; see the module docstring) on
+    way (``kernel``, ``tiles``, ``products``, ``products, 4 tiles`` and the three *sources
+    joined* ways; see the module docstring) on
     ``sources`` random sources of ``rows`` x 256 into 256 columns, in this thread.  Every way
     counts the same ``sources * rows * 256 * 256`` int16 multiply-adds (four tile byte products
     each).  RuntimeError

@@ -18,9 +18,10 @@ SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 CHAINS = 12
 #: label: (function, int16 multiply-adds per loop iteration). AMX counts a quarter of its int8
 #: multiply-adds: the AMX map kernel forms each int16 product from four int8 tile products.
+AMX = "tdpbssd (AMX-INT8), int16 equivalent"
 PROBES = {"vpdpwssd zmm (AVX512-VNNI)": ("dot_peak_vnni512", CHAINS * 32),
           "vpmaddwd+vpaddd ymm (AVX2)": ("dot_peak_madd256", CHAINS * 16),
-          "tdpbssd (AMX-INT8), int16 equivalent": ("dot_peak_amx_int8", 6 * 16 * 16 * 64 // 4)}
+          AMX: ("dot_peak_amx_int8", 6 * 16 * 16 * 64 // 4)}
 NO_ISA = -(2 ** 63)
 
 
