@@ -121,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
+    if a.threads < 1 or a.repeats < 1 or a.chunk < 1:
+        ap.error("--threads, --repeats and --chunk must be >= 1")
     pin_threads(a.threads)
     from alignpred import KvzError
 
