@@ -83,6 +83,15 @@ def build_prompts(model_dir: str, sizes, seed: int = 0):
     return out
 
 
+def resolve_model(model: str | None) -> str:
+    """``model``, or (None) the bundled Gemma 3 270M converted once into ``~/.cache/kvz/gemma3-hf``."""
+    if model:
+        return str(model)
+    from kvz.integrations.vllm.convert import convert  # the function: the package's name is the submodule
+
+    return str(convert(Path("~/.cache/kvz/gemma3-hf").expanduser()))
+
+
 def _store_cfg(store: str, root: Path):
     if store == "recompute":
         return None
@@ -236,11 +245,7 @@ def main(argv=None) -> int:
     stores = ["recompute"] + [s for s in stores if s != "recompute"]
     if a.rounds > 0 and a.recompute_rounds == 0:  # the kvz writers' cold prefills are the recompute
         stores = [s for s in stores if s != "recompute"]
-    model = a.model
-    if not model:
-        from kvz.integrations.vllm import convert
-
-        model = str(convert(Path("~/.cache/kvz/gemma3-hf").expanduser()))
+    model = resolve_model(a.model)
     t0 = time.perf_counter()
     def partial(rows):
         if a.json_out:
