@@ -33,10 +33,11 @@ from alignpred.cache.layout import CacheLayout, numpy_dtype
 from alignpred.codec.budget import STEP_UNIT
 from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
-from alignpred.errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError
+from alignpred.errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError, TruncatedError
 from alignpred.format.container import ENTRY_SIZE, FLAG_REFINE, crc32, parse_container
 from alignpred.format.header import check_header, coder_prec, minor_for, tensor_metas
 from alignpred.format.index import check_index
+from alignpred.format.ranged import RangedSource, sparse_copy
 from alignpred.format.session import DEFAULT_SESSION, DecoderSession
 from alignpred.io import map_file, release_pages
 from alignpred.threads import blas_single_thread, default_threads, helper_pool, lockstep, stepwise
@@ -51,7 +52,10 @@ TILE_TOKENS = 1024
 
 
 def _buffer(source):
-    """``(memoryview, name for messages)`` of a path, bytes-like object or mmap."""
+    """``(memoryview, name for messages)`` of a path, bytes-like object, mmap or ranged source
+    (for which the memoryview holds the header, index and footer only)."""
+    if isinstance(source, RangedSource):
+        return sparse_copy(source), getattr(source, "name", "<ranges>")
     if isinstance(source, (str, os.PathLike)):
         return map_file(source), os.fspath(source)
     if isinstance(source, mmap.mmap):
@@ -68,7 +72,9 @@ class KvzReader:
     """Random-access reader of a .kvz file. Everything but the payloads is verified on open;
     payload checksums are verified as objects are decoded.
 
-    ``source``: a path, ``bytes``/``bytearray``/``memoryview`` or ``mmap``. ``bank``: a
+    ``source``: a path, ``bytes``/``bytearray``/``memoryview``, ``mmap``, or a
+    :class:`~alignpred.format.ranged.RangedSource` (only the tail is read on open, each payload
+    when it is decoded: random access to a file held elsewhere, e.g. a store entry). ``bank``: a
     :class:`Bank`, a path, a registry id or name, or None (the embedded bank, or the registry's
     bank with the file's id). ``session``: a :class:`DecoderSession` (default: a shared one).
     ``threads``: decode object ranges in parallel on this many threads (default: the cores
@@ -77,6 +83,7 @@ class KvzReader:
 
     def __init__(self, source, bank=None, session: DecoderSession | None = None, threads: int | None = None):
         self._buf, self.path = _buffer(source)
+        self._ranged = source if isinstance(source, RangedSource) else None
         try:
             parsed = parse_container(self._buf)
         except FormatError as e:
@@ -134,7 +141,7 @@ class KvzReader:
         emb = self.header["bank"].get("embedded")
         if emb:
             a, n = int(emb["offset"]), int(emb["length"])
-            raw = self._buf[a:a + n]
+            raw = self._bytes(a, n)
             if crc32(raw) != int(emb["crc32"]):
                 raise ChecksumError(f"{self.path}: embedded bank checksum mismatch")
             try:
@@ -175,10 +182,31 @@ class KvzReader:
         return self._decoder
 
     # -- reading ---------------------------------------------------------------------------------
+    def _bytes(self, offset: int, length: int):
+        """``length`` bytes of the file at ``offset`` (from the ranged source when there is one)."""
+        if self._ranged is None:
+            return self._buf[offset:offset + length]
+        b = memoryview(self._ranged.read_range(offset, length)).cast("B")
+        if len(b) != length:
+            raise TruncatedError(f"{self.path}: {len(b)} of {length} bytes at offset {offset} (truncated source)")
+        return b
+
+    def payload_span(self, layer: int, tier: int = 0) -> tuple[int, int]:
+        """``(offset, length)`` of the bytes holding layer ``layer``'s payloads in ``tier`` (0:
+        coarse, 1: refinement): the objects of a layer's key and value lie together, in index order
+        (kvz.md §5), so a source can fetch a layer with one ranged read ahead of its decode."""
+        n_obj = self.n_objects_per_tensor
+        tis = [ti for ti, m in enumerate(self.metas) if int(m.name.split(".")[1]) == int(layer)]
+        if not tis:
+            raise KvzError(f"{self.path}: no layer {layer}")
+        ents = [self.index[(tier * len(self.metas) + ti) * n_obj + j] for ti in tis for j in range(n_obj)]
+        lo = min(e.offset for e in ents)
+        return lo, max(e.offset + e.length for e in ents) - lo
+
     def _fetch(self, ti: int, j: int, tier: int = 0):
         n_obj = self.n_objects_per_tensor
         e = self.index[(tier * len(self.metas) + ti) * n_obj + j]
-        payload = self._buf[e.offset:e.offset + e.length]
+        payload = self._bytes(e.offset, e.length)
         if crc32(payload) != e.crc:
             raise ChecksumError(f"{self.path}: checksum mismatch in {self.metas[ti].name} tokens "
                                 f"{e.token_start}..{e.token_start + e.n_tokens}{' (refinement)' if tier else ''}")
@@ -207,7 +235,7 @@ class KvzReader:
         total = 0
         for k in ks:
             e = self.index[int(k)]
-            payload = self._buf[e.offset:e.offset + e.length]
+            payload = self._bytes(e.offset, e.length)
             if crc32(payload) != e.crc:
                 ti = int(k) // n_obj
                 raise ChecksumError(f"{self.path}: checksum mismatch in {self.metas[ti].name} tokens "
@@ -215,7 +243,7 @@ class KvzReader:
             total += len(payload)
         emb = self.header["bank"].get("embedded")
         if emb and (entries is None if bank is None else bank):
-            raw = self._buf[emb["offset"]:emb["offset"] + emb["length"]]
+            raw = self._bytes(int(emb["offset"]), int(emb["length"]))
             if crc32(raw) != emb["crc32"]:
                 raise ChecksumError(f"{self.path}: embedded bank checksum mismatch")
             total += len(raw)
