@@ -21,6 +21,6 @@ from alignpred.format.session import DEFAULT_SESSION, DecoderSession
 from alignpred.format.writer import CompressInfo, compress, compress_bytes
 
 __all__ = ["ENTRY_SIZE", "FLAG_REFINE", "FOOTER_SIZE", "MAJOR", "PREAMBLE_SIZE", "Footer", "IndexEntry", "crc32",
-           "parse_container", "parse_header", "parse_index", "parse_preamble", "BytesRanges", "RangedSource", "TILE_TOKENS",
-           "KvzReader",
-           "DEFAULT_SESSION", "DecoderSession", "CompressInfo", "compress", "compress_bytes"]
+           "parse_container", "parse_header", "parse_index", "parse_preamble", "BytesRanges", "RangedSource",
+           "TILE_TOKENS", "KvzReader", "DEFAULT_SESSION", "DecoderSession", "CompressInfo", "compress",
+           "compress_bytes"]

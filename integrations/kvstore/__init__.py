@@ -10,12 +10,13 @@ Two backends with one interface (:class:`ChunkBackend`)::
 The layers above (hashing, encoding, model integration) only need that interface. ``server``
 starts a throw-away redis-server for tests. Nothing stored is pickled: meta is JSON.
 """
-from .base import ChunkBackend
+from .base import BlobRanges, ChunkBackend
 from .directory import DirectoryBackend
-from .errors import StoreError, StoreUnavailableWarning, StoreWarning
+from .errors import StoreError, StoreReadError, StoreUnavailableWarning, StoreWarning
 from .record import Entry, entry_size
 from .redis_backend import RedisBackend
 from .server import RedisServer
 
-__all__ = ["ChunkBackend", "DirectoryBackend", "RedisBackend", "Entry", "entry_size", "StoreError",
+__all__ = ["BlobRanges", "ChunkBackend", "DirectoryBackend", "RedisBackend", "Entry", "entry_size", "StoreError",
+           "StoreReadError",
            "StoreWarning", "StoreUnavailableWarning", "RedisServer"]

@@ -6,7 +6,7 @@ import math
 import warnings
 
 from . import record
-from .errors import StoreError, StoreWarning
+from .errors import StoreError, StoreReadError, StoreWarning
 from .record import Entry
 
 POLICIES = ("lru", "importance")
@@ -24,6 +24,11 @@ class ChunkBackend(abc.ABC):
     * ``get(key) -> bytes | None``: the blob, or None on a miss. An entry that fails its checksum
       (or is torn, truncated, or holds another key) is deleted and reported as a miss, never returned.
       ``get_entry(key)`` returns the blob with its meta and importance as an :class:`Entry`.
+    * ``open_blob(key) -> BlobRanges | None``: the blob for reading by byte ranges without fetching it
+      whole (a file read with ``pread``, a Redis string with ``GETRANGE``); a
+      :class:`~alignpred.format.RangedSource`, so ``KvzReader(store.open_blob(key))`` reads a stored
+      ``.kvz`` layer by layer. Lengths and key are checked on open; the record checksum is not
+      (the ``.kvz`` checks its own); a ranged read that fails raises :class:`StoreReadError`.
     * ``contains(key)``, ``delete(key) -> bool`` (True if something was deleted), ``keys()`` (a
       snapshot list, unordered), ``stats() -> dict``, ``clear()``, ``close()``; a context manager.
 
@@ -113,6 +118,15 @@ class ChunkBackend(abc.ABC):
         out.update(self._counters)
         return out
 
+    def open_blob(self, key: str) -> BlobRanges | None:
+        """The blob under ``key`` for ranged reads (see the class docstring), or None on a miss.
+        This default reads the entry whole and verified; backends that can read ranges override it."""
+        entry = self.get_entry(key)
+        if entry is None:
+            return None
+        blob = memoryview(entry.blob)
+        return BlobRanges(key, len(blob), entry.meta, entry.importance, lambda off, n: blob[off:off + n])
+
     def close(self) -> None:
         """Release resources; later calls raise StoreError. Closing twice is fine."""
         self._closed = True
@@ -157,3 +171,49 @@ class ChunkBackend(abc.ABC):
         if self.policy == "lru":
             return 0.0, 1.0
         return math.log(max(importance, 1e-300) / max(size, 1)), math.log(2.0) / self.half_life_s
+
+
+class BlobRanges:
+    """One stored blob, read by byte ranges (a :class:`~alignpred.format.RangedSource`): ``size``,
+    ``meta``, ``importance``, ``read_range(offset, length)`` (bytes; fewer only where the entry was
+    cut short under the reader; a failed read raises :class:`StoreReadError`), ``bytes_read``,
+    ``close()``. Made by :meth:`ChunkBackend.open_blob`."""
+
+    def __init__(self, key: str, size: int, meta: dict, importance: float, read, close=None):
+        self.key = key
+        self.name = f"<store entry {key[:40]}>"
+        self.size = int(size)
+        self.meta = meta
+        self.importance = importance
+        self.bytes_read = 0
+        self._read = read
+        self._close = close
+
+    def read_range(self, offset: int, length: int):
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise StoreError(f"range {offset}+{length} outside a blob of {self.size} bytes")
+        try:
+            out = self._read(offset, length)
+        except StoreReadError:
+            raise
+        except OSError as e:
+            raise StoreReadError(f"{self.name}: read of {length} bytes at {offset} failed ({e})") from e
+        self.bytes_read += len(out)
+        return out
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - finaliser
+            pass

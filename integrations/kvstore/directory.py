@@ -8,7 +8,7 @@ import tempfile
 import time
 
 from . import record
-from .base import ChunkBackend
+from .base import BlobRanges, ChunkBackend
 from .errors import CorruptEntryError, StoreError
 from .record import Entry
 
@@ -252,6 +252,39 @@ class DirectoryBackend(ChunkBackend):
                     os.utime(path, ns=(t, t))
         self._succeeded()
         return entry
+
+    def open_blob(self, key: str) -> BlobRanges | None:
+        """The entry's file, held open for ``pread`` (a later replacement of the entry does not
+        change what this reader sees: the file it opened stays as it was)."""
+        self._check_open()
+        path = self.entry_path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._counters["misses"] += 1
+            return None
+        except OSError as e:
+            self._failed(f"get from {self.path}", e)
+            return None
+        try:
+            st = os.fstat(fd)
+            prefix = os.pread(fd, record.HEADER_SIZE + record.MAX_KEY_BYTES + 4096, 0)
+            klen, mlen, _, _ = record.parse_head(prefix)
+            if record.HEADER_SIZE + klen + mlen > len(prefix):
+                prefix = os.pread(fd, record.HEADER_SIZE + klen + mlen, 0)
+            base, blen, meta, imp = record.parse_prefix(prefix, st.st_size, expect_key=key)
+        except CorruptEntryError:
+            os.close(fd)
+            self._drop_corrupt(path, st)
+            self._counters["misses"] += 1
+            return None
+        except OSError as e:
+            os.close(fd)
+            self._failed(f"get from {self.path}", e)
+            return None
+        self._counters["hits"] += 1
+        self._succeeded()
+        return BlobRanges(key, blen, meta, imp, lambda off, n: os.pread(fd, n, base + off), lambda: os.close(fd))
 
     def _drop_corrupt(self, path: str, st: os.stat_result) -> None:
         self._counters["corrupt_dropped"] += 1

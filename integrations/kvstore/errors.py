@@ -10,6 +10,11 @@ class CorruptEntryError(StoreError):
     """A stored record failed verification. Internal: backends drop the entry and report a miss."""
 
 
+class StoreReadError(StoreError):
+    """A ranged read of an opened blob failed (the store went down, the entry was evicted or cut short
+    under the reader): the caller's load fails and is recomputed, never half-used."""
+
+
 class StoreWarning(RuntimeWarning):
     """A store operation failed and was answered as a miss / refusal instead of raising."""
 

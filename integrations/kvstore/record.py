@@ -123,6 +123,31 @@ def parse_head(head: bytes) -> tuple[int, int, int, float]:
     return klen, mlen, blen, imp
 
 
+def parse_prefix(prefix: bytes, total: int, expect_key: str | None = None) -> tuple[int, int, dict, float]:
+    """``(blob_offset, blob_len, meta, importance)`` from a record's first ``HEADER_SIZE + key_len +
+    meta_len`` bytes (or more), for reading the blob by ranges. Checks the lengths against the
+    record's ``total`` size (a record cut short is refused here) and the key; the checksum over the
+    whole record cannot be checked without reading it all: ranged readers check their own (a ``.kvz``
+    verifies its header, index and every payload)."""
+    klen, mlen, blen, imp = parse_head(prefix)
+    base = HEADER_SIZE + klen + mlen
+    if base + blen != total:
+        raise CorruptEntryError("record length does not match its header")
+    if len(prefix) < base:
+        raise CorruptEntryError("record shorter than its header")
+    kb, mb = bytes(prefix[HEADER_SIZE:HEADER_SIZE + klen]), bytes(prefix[HEADER_SIZE + klen:base])
+    try:
+        key = kb.decode("utf-8")
+        meta = json.loads(mb) if mb else {}
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptEntryError(f"undecodable key or meta: {e}") from None
+    if not isinstance(meta, dict):
+        raise CorruptEntryError("meta is not a JSON object")
+    if expect_key is not None and key != expect_key:
+        raise CorruptEntryError("record holds another key")
+    return base, blen, meta, imp
+
+
 def decode_from(read: Callable[[int], bytes], total: int, expect_key: str | None = None) -> Entry:
     """Read one record of ``total`` bytes through ``read(n)`` (a file's read) and verify it completely.
 

@@ -501,3 +501,68 @@ def test_redis_server_helper():
         srv.restart()
         assert srv.port == port and ping(srv.host, port)
     assert not srv.running and not os.path.exists(d)
+
+
+# ---- ranged reads (open_blob) ------------------------------------------------------------------
+def test_open_blob_ranges(h):
+    s = h.make()
+    blob = os.urandom(300_000)
+    s.put("r1", blob, meta={"tokens": 9}, importance=3.0)
+    b = s.open_blob("r1")
+    assert (b.size, b.meta, b.importance) == (len(blob), {"tokens": 9}, 3.0)
+    for off, n in ((0, 10), (123_456, 70_000), (len(blob) - 5, 5), (7, 0)):
+        assert bytes(b.read_range(off, n)) == blob[off:off + n]
+    with pytest.raises(StoreError):
+        b.read_range(len(blob) - 2, 5)
+    b.close()
+    assert s.open_blob("missing") is None
+
+
+def test_open_blob_refuses_a_record_cut_short(h):
+    s = h.make()
+    s.put("r2", os.urandom(50_000))
+    raw = h.raw(s, "r2")
+    h.write_raw(s, "r2", raw[:-1000])
+    assert s.open_blob("r2") is None and not s.contains("r2")  # dropped, a miss
+
+
+def test_open_blob_reads_a_real_kvz_layer_by_layer(h, real_bank):
+    import numpy as np
+    from conftest import sample_paths
+
+    from alignpred import KvzReader, compress, load_cache
+
+    blob = compress(load_cache(sample_paths()[0]), None, eps=0.03, bank=real_bank).data
+    s = h.make()
+    s.put("kvz", blob)
+    want = KvzReader(blob, bank=real_bank).read(tokens=(0, 128))
+    src = s.open_blob("kvz")
+    got = KvzReader(src, bank=real_bank).read(tokens=(0, 128))
+    assert all(np.array_equal(want[k].view(np.uint16), got[k].view(np.uint16)) for k in want)
+    assert src.bytes_read < 0.7 * len(blob)  # the first of two objects per tensor (256 of 448 tokens), the tail
+
+
+def test_open_blob_entry_deleted_while_reading(h):
+    s = h.make()
+    blob = os.urandom(100_000)
+    s.put("r3", blob)
+    b = s.open_blob("r3")
+    s.delete("r3")
+    if h.kind == "directory":  # the open file is a snapshot: its reader still sees the entry it opened
+        assert bytes(b.read_range(1000, 500)) == blob[1000:1500]
+    else:  # GETRANGE of a deleted key: no bytes (the .kvz reader reports it truncated)
+        assert len(b.read_range(1000, 500)) == 0
+    b.close()
+
+
+def test_open_blob_store_down_raises_store_read_error(tmp_path):
+    from kvz.integrations.kvstore import StoreReadError
+
+    with RedisServer() as srv:
+        s = RedisBackend(srv.url, namespace="down", reconnect_interval=0.0)
+        s.put("r4", os.urandom(10_000))
+        b = s.open_blob("r4")
+        srv.stop()
+        with pytest.warns(StoreUnavailableWarning), pytest.raises(StoreReadError):
+            b.read_range(0, 100)
+        s.close()
