@@ -191,17 +191,25 @@ class KvzReader:
             raise TruncatedError(f"{self.path}: {len(b)} of {length} bytes at offset {offset} (truncated source)")
         return b
 
-    def payload_span(self, layer: int, tier: int = 0) -> tuple[int, int]:
-        """``(offset, length)`` of the bytes holding layer ``layer``'s payloads in ``tier`` (0:
-        coarse, 1: refinement): the objects of a layer's key and value lie together, in index order
-        (kvz.md §5), so a source can fetch a layer with one ranged read ahead of its decode."""
+    def payload_spans(self, layer: int, tokens: tuple[int, int] | None = None, tier=None) -> list[tuple[int, int]]:
+        """``[(offset, length)]``: the bytes a decode of layer ``layer`` over ``tokens`` reads, one
+        contiguous span per tensor and tier (a tensor's objects lie together, in index order, kvz.md
+        §5), so that a source can fetch a layer with a few ranged reads ahead of its decode.
+        ``tier`` as in :meth:`iter_layers` (None: the best the file has, its refinement too)."""
+        a, b, _ = self._range(tokens, [int(layer)])
+        S = self.config.object_size
+        j0, j1 = a // S, -(-b // S)
         n_obj = self.n_objects_per_tensor
-        tis = [ti for ti, m in enumerate(self.metas) if int(m.name.split(".")[1]) == int(layer)]
-        if not tis:
-            raise KvzError(f"{self.path}: no layer {layer}")
-        ents = [self.index[(tier * len(self.metas) + ti) * n_obj + j] for ti in tis for j in range(n_obj)]
-        lo = min(e.offset for e in ents)
-        return lo, max(e.offset + e.length for e in ents) - lo
+        tiers = (0, 1) if self._tier(tier) else (0,)
+        out = []
+        for t in tiers:
+            for ti, m in enumerate(self.metas):
+                if int(m.name.split(".")[1]) != int(layer):
+                    continue
+                ents = self.index[(t * len(self.metas) + ti) * n_obj + j0:(t * len(self.metas) + ti) * n_obj + j1]
+                lo = ents[0].offset
+                out.append((lo, ents[-1].offset + ents[-1].length - lo))
+        return out
 
     def _fetch(self, ti: int, j: int, tier: int = 0):
         n_obj = self.n_objects_per_tensor

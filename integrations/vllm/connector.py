@@ -171,7 +171,13 @@ class KvzConnector(KVConnectorBase_V1):
         self.read_only = bool(get("read_only", False))
         self.debug_dir = get("debug_dir", None)
         self.warmup = bool(get("warmup", True))
-        self._warm: threading.Thread | None = None
+        self._warm = None  # the warm-up's future (kvz's load thread)
+        self.profile_setting = str(get("profile", "auto"))
+        if self.profile_setting not in ("auto", "default", "balanced", "fast"):
+            raise ValueError(f"kvz connector: unknown profile {self.profile_setting!r} "
+                             "(auto, default, balanced or fast)")
+        self.profile_choice: dict = {"profile": None if self.profile_setting == "auto" else self.profile_setting,
+                                     "setting": self.profile_setting, "reason": "as configured"}
         kw = {}
         if get("budget_bytes", None) is not None:
             kw["budget_bytes"] = int(get("budget_bytes", None))
@@ -181,7 +187,8 @@ class KvzConnector(KVConnectorBase_V1):
         self.store = BlockStore(self.backend, model_id=get("model_id", info["model_id"]), block_size=self.block_size,
                                 layer_types=info["layer_types"], rope_theta=info["rope_theta"], shape=info["shape"],
                                 dtype=info["dtype"], eps=eps, lossless=lossless, bank=bank,
-                                threads=None if threads is None else int(threads))
+                                threads=None if threads is None else int(threads),
+                                profile="default" if self.profile_setting == "auto" else self.profile_setting)
         self.lossy = not lossless
         # scheduler side
         self._lookups: dict[str, tuple[int, int, list]] = {}  # req -> (num_computed, hit blocks, segments)
@@ -192,9 +199,22 @@ class KvzConnector(KVConnectorBase_V1):
         self._perm: torch.Tensor | None = None
         self._isa: str | None = None
         self._load_errors: set[int] = set()
+        self._step = None
+        self._step_waited: set[int] = set()
+        self._layer_of: dict[str, int] = {}
+        self._load_pool = None
+        self._load_future = None
+        self.layerwise = bool(get("layerwise", True))
+        self.load_deadline_s = float(get("load_deadline_s", 30.0))
+        from .loader import load_cores
+
+        self.load_cores, self.load_cores_reason = load_cores(get("load_cores", None))
+        dt = get("decode_threads", None)
+        self.decode_threads = int(dt) if dt is not None else len(self.load_cores)
         self._save_q: queue.Queue | None = None
         self._save_thread: threading.Thread | None = None
-        self.timings = {"load_s": 0.0, "decode_s": 0.0, "copy_s": 0.0, "extract_s": 0.0, "loaded_blocks": 0}
+        self.timings = {"load_s": 0.0, "decode_s": 0.0, "copy_s": 0.0, "read_s": 0.0, "blocked_s": 0.0,
+                        "extract_s": 0.0, "loaded_blocks": 0, "failed_blocks": 0, "load_steps": 0}
         logger.info("kvz connector (%s): store %s, eps %s, lossless %s, bank %s", role.name,
                     type(self.backend).__name__, eps, lossless, bank)
 
@@ -285,6 +305,7 @@ class KvzConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         items = sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
         self._kv = items
+        self._layer_of = {name: i for i, (name, _) in enumerate(items)}
         L, H, d = self.info["shape"]
         if len(items) != L:
             raise ValueError(f"kvz connector: {len(items)} KV caches for a {L}-layer model")
@@ -292,20 +313,59 @@ class KvzConnector(KVConnectorBase_V1):
             if t.dim() != 4 or t.shape[1] != H or t.shape[2] != self.block_size or t.shape[3] != 2 * d:
                 raise ValueError(f"kvz connector: KV cache {name} has shape {tuple(t.shape)}; expected "
                                  f"[blocks, {H}, {self.block_size}, {2 * d}] (the CPU attention backend)")
-        if self.warmup:
-            def warm():
-                try:
-                    self.timings["warmup_s"] = self.store.warmup()
-                except Exception as e:  # noqa: BLE001
-                    warn(f"kvz: codec warm-up failed ({type(e).__name__}: {e})")
+        logger.info("kvz connector: loads on cores %s (%s), %d decode thread(s), deadline %g s, layerwise %s",
+                    self.load_cores, self.load_cores_reason, self.decode_threads, self.load_deadline_s, self.layerwise)
+        if self.warmup or self.profile_setting == "auto":
+            self._warm = self._load_thread_pool().submit(self._warm_up)
 
-            self._warm = threading.Thread(target=warm, name="kvz-warmup", daemon=True)
-            self._warm.start()
+    def _warm_up(self) -> None:
+        """In kvz's load thread, on the cores loads run on: compile (or load from numba's cache) the
+        codec's kernels, and with profile ``auto`` measure and choose (:mod:`.profile_choice`)."""
+        t0 = time.perf_counter()
+        try:
+            if self.warmup:
+                self.timings["warmup_s"] = self.store.warmup()
+        except Exception as e:  # noqa: BLE001
+            warn(f"kvz: codec warm-up failed ({type(e).__name__}: {e})")
+        if self.profile_setting != "auto":
+            return
+        from . import profile_choice as pc
+
+        try:
+            thr = pc.measure_decode(self.store)
+            bw = pc.measure_read(self.backend)
+            L, H, d = self.info["shape"]
+            tokens = int(self._vllm_config.model_config.max_model_len)
+            name, reason, est = pc.choose(thr, bandwidth=bw or 1e9, values=2 * L * H * d * tokens, layers=L,
+                                          lossless=self.store.lossless)
+            self.store.profile = name
+            self.profile_choice = {"profile": name, "setting": "auto", "reason": reason,
+                                   "decode_values_per_s": {k: round(v) for k, v in thr.items()},
+                                   "read_bytes_per_s": round(bw), "tokens": tokens,
+                                   "estimates": {k: {x: round(y, 4) for x, y in e.items()} for k, e in est.items()},
+                                   "measure_s": round(time.perf_counter() - t0, 3)}
+        except Exception as e:  # noqa: BLE001 - measuring failed: the fewest bits
+            self.store.profile = "default"
+            self.profile_choice = {"profile": "default", "setting": "auto",
+                                   "reason": f"measurement failed ({type(e).__name__}: {e}); default"}
+        logger.info("kvz connector: profile auto -> %s", self.profile_choice["reason"])
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait for the codec warm-up started at registration (if any)."""
+        """Wait for the codec warm-up (and the ``auto`` profile choice) started at registration."""
         if self._warm is not None:
-            self._warm.join(timeout)
+            try:
+                self._warm.result(timeout)
+            except Exception:  # noqa: BLE001 - reported by the warm-up itself
+                pass
+
+    def stats(self) -> dict:
+        """What this connector did: the worker's timings (``load_s`` wall time of loads, ``decode_s``,
+        ``read_s``, ``copy_s``, ``blocked_s``: the forward's time waiting on loads), the store's
+        counters, the load cores and the profile choice (``auto``: with its measurements)."""
+        return {"timings": dict(self.timings), "counters": dict(self.store.counters),
+                "profile": dict(self.profile_choice), "load_cores": list(self.load_cores),
+                "load_cores_reason": self.load_cores_reason, "layerwise": self.layerwise,
+                "load_deadline_s": self.load_deadline_s}
 
     def _get_isa(self) -> str:
         if self._isa is None:
@@ -366,49 +426,109 @@ class KvzConnector(KVConnectorBase_V1):
         return out
 
     # ------------------------------------------------------------------ worker side: load
+    def _load_thread_pool(self):
+        """kvz's load thread, pinned to :attr:`load_cores` (made on first use)."""
+        if self._load_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            cores = set(self.load_cores)
+
+            def pin():
+                try:
+                    os.sched_setaffinity(0, cores)  # this thread only (Linux); the threads it starts inherit it
+                except (AttributeError, OSError) as e:
+                    warn(f"kvz: could not pin the load thread to cores {sorted(cores)} ({e})")
+
+            self._load_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvz-load", initializer=pin)
+        return self._load_pool
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvzConnectorMetadata) or not meta.loads:
             return
         self.wait_ready()
-        L, H, d = self.info["shape"]
+        from .loader import LoadJob, StepLoad
+
         bs = self.block_size
+        _, H, d = self.info["shape"]
         dt = self._kv[0][1].dtype
+        jobs = []
+        staging: dict = {}
         for spec in meta.loads:
-            t0 = time.perf_counter()
+            end = spec.segments[-1].first + spec.segments[-1].count if spec.segments else 0
             for seg in spec.segments:
-                n = seg.count * bs
-                kbuf = torch.empty((L, H, n, d), dtype=dt)
-                vbuf = torch.empty((L, H, n, d), dtype=dt)
                 blocks = spec.block_ids[seg.first:seg.first + seg.count]
-                try:
-                    t1 = time.perf_counter()
-                    self.store.decode(seg, kbuf, vbuf)
-                    t2 = time.perf_counter()
-                    slots = (torch.as_tensor(blocks, dtype=torch.int64)[:, None] * bs
-                             + torch.arange(bs, dtype=torch.int64)[None, :]).reshape(-1)
-                    for i, (_, cache) in enumerate(self._kv):
-                        self._write(cache, kbuf[i].transpose(0, 1).contiguous(), vbuf[i].transpose(0, 1).contiguous(),
-                                    slots)
-                    self.timings["decode_s"] += t2 - t1
-                    self.timings["copy_s"] += time.perf_counter() - t2
-                    self.timings["loaded_blocks"] += seg.count
-                except Exception as e:  # noqa: BLE001 - the engine recomputes these blocks
-                    warn(f"kvz: decoding {seg.count} stored blocks for {spec.req_id} failed "
-                         f"({type(e).__name__}: {e}); reported as load errors, recomputed")
-                    self._load_errors.update(int(x) for x in spec.block_ids[seg.first:])
-                    break
-            self.timings["load_s"] += time.perf_counter() - t0
-            if self.debug_dir and spec.segments:
-                end = spec.segments[-1].first + spec.segments[-1].count
-                self._debug_dump("load", spec.req_id, spec.block_ids[:end])
+                n = seg.count * bs
+                bufs: dict = {}  # layer -> this job's staging tensors (the reader writes into them)
+                jobs.append(LoadJob(
+                    spec.req_id, blocks, spec.block_ids[seg.first:end],
+                    lambda deadline, seg=seg: self.store.open_segment(seg, deadline, self.decode_threads),
+                    out=lambda i, n=n, bufs=bufs: bufs.setdefault(
+                        i, (torch.empty((H, n, d), dtype=dt), torch.empty((H, n, d), dtype=dt)))))
+                staging[id(jobs[-1])] = bufs
+        if not jobs:
+            return
+        slots = {}
+        for job in jobs:
+            slots[id(job)] = (torch.as_tensor(job.blocks, dtype=torch.int64)[:, None] * bs
+                              + torch.arange(bs, dtype=torch.int64)[None, :]).reshape(-1)
+
+        def write(job, i, k, v):  # the layer's staging tensors [kv_heads, n, d] -> [n, kv_heads, d]
+            kt, vt = staging[id(job)].pop(i)
+            self._write(self._kv[i][1], kt.transpose(0, 1).contiguous(), vt.transpose(0, 1).contiguous(),
+                        slots[id(job)])
+
+        step = StepLoad(jobs, len(self._kv), write, self.load_deadline_s, warn=warn)
+        self._step = step
+        self._step_waited = set()
+        self._load_future = self._load_thread_pool().submit(step.run)
+        if not self.layerwise:  # everything in place before the forward starts
+            step.wait(len(self._kv) - 1)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        step = self._step
+        if step is None:
+            return
+        i = self._layer_of.get(layer_name)
+        if i is None:
+            i = _layer_index(layer_name)
+        if i < 0:
+            return
+        self._step_waited.add(i)
+        step.wait(i)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
+        step, self._step = self._step, None
+        if step is not None:
+            waited_all = self.layerwise is False or len(self._step_waited) == len(self._kv)
+            if not waited_all and self.layerwise:
+                warn("kvz: the forward did not wait for every layer's load (this attention backend does not call "
+                     "wait_for_layer_load): this step's loaded blocks are recomputed and later loads complete "
+                     "before the forward (layerwise off)")
+                self.layerwise = False
+            out |= step.finish(waited_all)
+            self._account(step)
         return out
+
+    def _account(self, step) -> None:
+        t = self.timings
+        wall = step.layer_ready_s[-1] if step.layer_ready_s else 0.0
+        t["decode_s"] += step.decode_s
+        t["copy_s"] += step.copy_s
+        t["load_s"] += wall
+        t["blocked_s"] += step.blocked_s
+        t["read_s"] += sum(j.read_s for j in step.jobs)
+        t["loaded_blocks"] += sum(len(j.blocks) for j in step.jobs if j.failed is None)
+        t["failed_blocks"] += sum(len(j.blocks) for j in step.jobs if j.failed is not None)
+        t["load_steps"] += 1
+        if self.debug_dir:
+            by_req: dict = {}
+            for job in step.jobs:
+                if job.failed is None:
+                    by_req.setdefault(job.req_id, []).extend(job.blocks)
+            for rid, blocks in by_req.items():
+                self._debug_dump("load", rid, blocks)
 
     # ------------------------------------------------------------------ worker side: save
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
@@ -439,6 +559,7 @@ class KvzConnector(KVConnectorBase_V1):
             self._save_q = queue.Queue()
 
             def run():
+                self.wait_ready()  # the profile (auto) is chosen before the first save
                 while True:
                     job = self._save_q.get()
                     try:

@@ -169,6 +169,8 @@ def run(spec: dict) -> dict:
     info = {}
     if conn is not None and hasattr(conn, "store"):
         info = {"timings": dict(conn.timings), "counters": dict(conn.store.counters), "runs": list(conn.store.runs)}
+        if hasattr(conn, "stats"):
+            info["stats"] = conn.stats()
     return {"results": results, "connector": info, "startup_s": startup, "warnings": caught}
 
 

@@ -65,10 +65,12 @@ def open_backend(url: str | None, **kw):
 
 @dataclass
 class Segment:
-    """Blocks ``[first, first + count)`` of a prompt, found in run ``run_key`` from its block ``run_index``."""
+    """Blocks ``[first, first + count)`` of a prompt, found in run ``run_key`` from its block
+    ``run_index``; ``footer``: the run's last bytes when it was checked (a run replaced since is
+    refused by the worker before it decodes anything)."""
 
     run_key: str
-    blob: bytes
+    footer: bytes
     run_index: int
     first: int
     count: int
@@ -81,7 +83,8 @@ class BlockStore:
     ``shape``: ``(layers, kv_heads, head_dim)``; ``dtype``: the engine's KV dtype name."""
 
     def __init__(self, backend, *, model_id: str, block_size: int, layer_types, rope_theta, shape, dtype: str,
-                 eps: float = DEFAULT_EPS, lossless: bool = False, bank=None, threads: int | None = None):
+                 eps: float = DEFAULT_EPS, lossless: bool = False, bank=None, threads: int | None = None,
+                 profile: str = "default"):
         from alignpred import CodecConfig, DecoderSession
 
         self.backend = backend
@@ -100,11 +103,14 @@ class BlockStore:
 
             self.bank = resolve_bank(bank)
         self.threads = threads
+        self.profile = str(profile)
         self.session = DecoderSession(banks=[self.bank] if self.bank is not None else ())
         from alignpred.format import MAJOR
         self.binding = {"scheme": KEY_SCHEME, "model": self.model_id, "block_size": self.block_size,
                         "dtype": self.dtype, "shape": list(self.shape), "format_major": MAJOR,
-                        "config": self.config.to_json(), "bank": self.bank.id if self.bank is not None else None,
+                        # not the codec config or profile: a .kvz says how it was coded, and an engine
+                        # saving in another profile (``auto`` picks per machine) must find the same runs
+                        "bank": self.bank.id if self.bank is not None else None,
                         "eps": self.eps, "lossless": self.lossless}
         self._bind = hashlib.sha256(json.dumps(self.binding, sort_keys=True, separators=(",", ":")).encode()).digest()
         self._lock = threading.Lock()
@@ -163,7 +169,7 @@ class BlockStore:
                          "treated as a miss, recomputed")
                     self._count("bad_entries")
                     break
-                blob, digests = got
+                footer, digests = got
                 if not (0 <= idx < len(digests)) or digests[idx] != block_digest(token_ids[i * bs:(i + 1) * bs]):
                     warn(f"kvz: stored block {i} ({rk[:24]}…) holds other tokens; treated as a miss")
                     self._count("bad_entries")
@@ -175,7 +181,7 @@ class BlockStore:
                 if last is not None and last.run_key == rk and last.run_index + last.count == idx:
                     last.count += 1
                 else:
-                    segs.append(Segment(rk, blob, idx, i, 1))
+                    segs.append(Segment(rk, footer, idx, i, 1))
             self._count("hit_blocks", n)
             if n < max_blocks:
                 self._count("misses")
@@ -185,13 +191,16 @@ class BlockStore:
             return 0, []
 
     def _fetch_run(self, rk: str):
-        e = self.backend.get_entry(rk)
-        if e is None:
+        """``(footer, block digests)`` of a stored run, from its tail only (header, index, footer:
+        verified as for a whole file); None when it is missing or unusable (then dropped)."""
+        src = self.backend.open_blob(rk)
+        if src is None:
             return None
         try:
             from alignpred import KvzReader
+            from alignpred.format import FOOTER_SIZE
 
-            r = KvzReader(memoryview(e.blob), bank=self.bank, session=self.session)
+            r = KvzReader(src, bank=self.bank, session=self.session)
             meta = r.header.get("source_metadata", {}) or {}
             digests = meta.get(BLOCKS_META)
             if isinstance(digests, str):
@@ -201,7 +210,7 @@ class BlockStore:
                 raise ValueError("not a run of this model")
             if lay.n_tokens != len(digests) * self.block_size:
                 raise ValueError("run length does not match its blocks")
-            return e.blob, [str(d) for d in digests]
+            return bytes(src.read_range(src.size - FOOTER_SIZE, FOOTER_SIZE)), [str(d) for d in digests]
         except Exception as exc:  # noqa: BLE001
             warn(f"kvz: stored run {rk[:24]}… unusable ({type(exc).__name__}: {exc}); dropped, recomputing")
             self._count("bad_entries")
@@ -210,6 +219,8 @@ class BlockStore:
             except Exception:  # noqa: BLE001
                 pass
             return None
+        finally:
+            src.close()
 
     def stored_prefix(self, token_ids, n_blocks: int) -> int:
         """How many leading blocks already have a pointer (unverified)."""
@@ -222,20 +233,32 @@ class BlockStore:
             return 0
 
     # -- decode (worker side) ---------------------------------------------------------------------
-    def decode(self, seg: Segment, kbuf, vbuf) -> None:
-        """Decode the segment's blocks into ``kbuf``/``vbuf`` (``[layers, kv_heads, n, head_dim]``)."""
-        import time
-
+    def open_segment(self, seg: Segment, deadline: float | None = None, threads: int | None = None):
+        """``(reader, tokens, source)`` to decode ``seg`` layer by layer: the run opened for ranged
+        reads, its layers' bytes fetched ahead (:class:`~kvz.integrations.vllm.loader.LayerPrefetch`,
+        waiting at most until ``deadline``); ``source.close()`` when done. Raises if the run is gone
+        or is no longer the run the lookup checked."""
         from alignpred import KvzReader
+        from alignpred.format import FOOTER_SIZE
 
-        t0 = time.perf_counter()
-        bs = self.block_size
-        r = KvzReader(memoryview(seg.blob), bank=self.bank, session=self.session, threads=self.threads)
-        a = seg.run_index * bs
-        rng = (a, a + seg.count * bs)
-        for _ in r.layers(tokens=rng, out=lambda i: (kbuf[i], vbuf[i])):
-            pass
-        self._count("decode_s", time.perf_counter() - t0)
+        from .loader import LayerPrefetch
+
+        src = self.backend.open_blob(seg.run_key)
+        if src is None:
+            raise LookupError(f"stored run {seg.run_key[:24]}… is gone (evicted or the store is down)")
+        try:
+            if bytes(src.read_range(src.size - FOOTER_SIZE, FOOTER_SIZE)) != seg.footer:
+                raise LookupError(f"stored run {seg.run_key[:24]}… was replaced since its lookup")
+            r = KvzReader(src, bank=self.bank, session=self.session,
+                          threads=threads if threads is not None else self.threads)
+            a = seg.run_index * self.block_size
+            tokens = (a, a + seg.count * self.block_size)
+            spans = [sp for i in range(self.shape[0]) for sp in r.payload_spans(i, tokens)]
+        except BaseException:
+            src.close()
+            raise
+        pre = LayerPrefetch(src, spans, deadline)
+        return KvzReader(pre, bank=self.bank, session=self.session, threads=r.threads), tokens, pre
 
     def warmup(self) -> float:
         """Encode and decode one synthetic block in this store's mode, so the codec's kernels are
@@ -252,9 +275,10 @@ class BlockStore:
         dt = getattr(torch, self.dtype, torch.bfloat16)
         kv = [tuple(torch.randn(H, self.block_size, d, generator=g).to(dt) for _ in range(2)) for _ in range(L)]
         meta = {"layer_types": self.layer_types, "keys_roped": True, "rope_theta": self.rope_theta}
-        blob = compress(Cache.from_arrays(kv, meta), None, eps=self.eps, bank=self.bank, config=self.config,
-                        lossless=self.lossless, threads=self.threads).data
-        KvzReader(memoryview(blob), bank=self.bank, session=self.session, threads=self.threads).read()
+        for name in dict.fromkeys((self.profile, "default", "fast")):
+            blob = compress(Cache.from_arrays(kv, meta), None, eps=self.eps, bank=self.bank, config=self.config,
+                            lossless=self.lossless, threads=self.threads, profile=name).data
+            KvzReader(memoryview(blob), bank=self.bank, session=self.session, threads=self.threads).read()
         return time.perf_counter() - t0
 
     # -- store (worker side) ----------------------------------------------------------------------
@@ -276,7 +300,7 @@ class BlockStore:
                     "position_offset": int(first_block * bs), BLOCKS_META: json.dumps(digests)}
             cache = Cache.from_arrays(kv, meta)
             blob = compress(cache, None, eps=self.eps, bank=self.bank, config=self.config,
-                            lossless=self.lossless, threads=self.threads).data
+                            lossless=self.lossless, threads=self.threads, profile=self.profile).data
             rk = self.run_key(hashes[-1])
             if not self.backend.put(rk, blob, meta={"start": int(first_block * bs), "blocks": n},
                                     importance=float(n * bs)):

@@ -38,11 +38,14 @@ def test_layer_by_layer_reads_each_layer(blobs):
     src = BytesRanges(blob)
     r = KvzReader(src, bank=bank, threads=1)
     seen = [src.bytes_read]
-    spans = [r.payload_span(i) for i in range(r.layout.num_layers)]
-    assert all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:]))  # layers lie in order, no gaps
+    spans = [r.payload_spans(i) for i in range(r.layout.num_layers)]
+    flat = [s for sp in spans for s in sp]
+    assert all(a[0] + a[1] == b[0] for a, b in zip(flat, flat[1:]))  # key, value, next layer: in order, no gaps
     for i, _k, _v in r.layers():
         seen.append(src.bytes_read)
-        assert seen[-1] - seen[-2] == spans[i][1], i  # exactly that layer's payloads, nothing ahead
+        assert seen[-1] - seen[-2] == sum(n for _, n in spans[i]), i  # exactly that layer's payloads
+    part = r.payload_spans(3, tokens=(300, 400))  # the second object of each tensor only
+    assert len(part) == 2 and part[0][1] < spans[3][0][1] / 2
 
 
 def test_truncated_source(blobs):
@@ -65,7 +68,7 @@ def test_flipped_payload_is_a_checksum_error_at_its_layer(blobs):
     data, bank = blobs
     blob = bytearray(data["lossy"])
     r0 = KvzReader(bytes(blob), bank=bank)
-    off, n = r0.payload_span(7)
+    off, n = r0.payload_spans(7)[0]
     blob[off + n // 2] ^= 0xFF
     r = KvzReader(BytesRanges(bytes(blob)), bank=bank, threads=1)
     done = []
