@@ -235,7 +235,13 @@ def main(argv=None) -> int:
                     help="with --rounds: rounds of the no-connector engine (default --rounds)")
     ap.add_argument("--cold", action="store_true", help="with --rounds: a cold 8K prefill before each of kvz's hits")
     ap.add_argument("--topk", type=int, default=4096, help="logprobs per step for the KL (with --rounds)")
+    ap.add_argument("--hit", action="store_true",
+                    help="kvz's hit against ExampleConnector's: profiles, auto, Redis behind links (kvz.benchmarks.vllm_hit)")
+    ap.add_argument("--links", default="1g,10g", help="with --hit: link rates of the Redis rows (bits/s, k/m/g)")
+    ap.add_argument("--plot", help="with --hit: a PNG of TTFT per store and link")
     a = ap.parse_args(argv)
+    if a.hit:
+        return _hit_main(a, argv)
     global RESUME
     RESUME = a.resume
     sizes = [1024] if a.quick else [int(x) for x in (a.sizes or ",".join(map(str, SIZES))).split(",")]
@@ -272,6 +278,35 @@ def main(argv=None) -> int:
         Path(a.json_out).write_text(json.dumps(rows, indent=1) + "\n")
     if a.md_out:
         Path(a.md_out).write_text(md)
+    return 0
+
+
+def _hit_main(a, argv) -> int:
+    from . import vllm_hit
+
+    sizes = [int(x) for x in (a.sizes or "8192").split(",")]
+    model = resolve_model(a.model)
+    results = []
+    for n in sizes:
+        results.append(vllm_hit.run(n, model, rounds=max(1, a.rounds or 3), links=a.links.split(",") if a.links else (),
+                                    workdir=a.workdir and str(Path(a.workdir) / f"n{n}"), topk=min(a.topk, 20),
+                                    log=lambda m: print(m, file=sys.stderr)))
+    cmd = " ".join(["python -m kvz.benchmarks.vllm_reuse"] + [Path(x).name if "/" in x else x for x in
+                                                              (argv if argv is not None else sys.argv[1:])])
+    import platform
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
+    note = (f"Measured with `{cmd}`: vLLM 0.32 CPU, Gemma 3 270M bf16, block 128, prefix caching off, on a "
+            f"{os.cpu_count()}-core {cpu}; engine on core {results[0]['engine_core']}, kvz's loads on "
+            f"{results[0]['load_cores']}; {sum(r['seconds'] for r in results):.0f} s in all.")
+    md = "\n".join(vllm_hit.markdown(r, note) for r in results)
+    print(md)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(results, indent=1) + "\n")
+    if a.md_out:
+        Path(a.md_out).write_text(md)
+    if a.plot:
+        vllm_hit.plot(results[-1], a.plot)
     return 0
 
 

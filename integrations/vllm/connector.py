@@ -14,32 +14,49 @@ them for repeated prefixes.
 
 ``kv_connector_extra_config`` keys: ``store`` (a directory path or a ``redis://`` URL; default
 ``~/.cache/kvz/vllm``), ``eps`` (NRMSE bound per tensor, default 0.02), ``lossless`` (add the
-refinement tier: the blocks decode to the engine's bits exactly), ``bank`` (a registry name or
-path; default ``gemma-3-270m`` when the model is Gemma 3 270M, else none), ``model_id`` (part of
-every key; default the served model name), ``budget_bytes`` (store budget), ``namespace``
-(Redis), ``threads`` (kvz's worker threads), ``sync_save`` (encode in the step instead of a
-background thread), ``read_only`` (load, never store), ``store_after_lossy`` (also store blocks
-computed on top of lossy loaded KV; default off: a prefix hit then stays within eps of what the
-model computes), ``debug_dir`` (write the KV read back from the engine's blocks after each load/save, for tests).
+refinement tier: the blocks decode to the engine's bits exactly), ``profile`` (the speed profile
+saves are coded in: ``auto`` (default: measured at warm-up, see
+:mod:`~kvz.integrations.vllm.profile_choice`), ``default``, ``balanced`` or ``fast``; a reader
+needs no setting, a ``.kvz`` says how it was coded), ``bank`` (a registry name or path; default
+``gemma-3-270m`` when the model is Gemma 3 270M, else none), ``model_id`` (part of every key;
+default the served model name), ``budget_bytes`` (store budget), ``namespace`` (Redis),
+``threads`` (kvz's encode threads), ``load_cores`` (the cores kvz's load thread runs on, a CPU
+list like ``"2-3"``; default: the cores vLLM's CPU worker does not bind — those not in
+``VLLM_CPU_OMP_THREADS_BIND`` — or all cores when it binds every one), ``decode_threads`` (threads
+one load decodes with; default one per load core), ``load_deadline_s`` (default 30: a step's loads
+not complete by then are cancelled and recomputed), ``layerwise`` (default True: the forward
+waits per layer; False: every load completes before the forward starts), ``sync_save`` (encode in
+the step instead of a background thread), ``read_only`` (load, never store), ``store_after_lossy``
+(also store blocks computed on top of lossy loaded KV; default off: a prefix hit then stays within
+eps of what the model computes), ``debug_dir`` (write the KV read back from the engine's blocks
+after each load/save, for tests).
 
 **Scheduler side.** ``get_num_new_matched_tokens`` hashes the prompt's full blocks (at most
-``len-1`` tokens: one token is always computed) and walks the store's per-block pointers; the run
-blobs are fetched and checked there (checksum, header, token-id digests), so a corrupt entry is a
-miss before any block is allocated. ``build_connector_meta`` hands the worker the blobs to decode
-into the allocated blocks, and — in the step a prompt's prefill completes — the blocks to store
-(those not in the store yet).
+``len-1`` tokens: one token is always computed) and walks the store's per-block pointers: the
+longest stored run of blocks from position 0, across the runs of several earlier requests (a
+prompt that diverges later still loads the blocks before the divergence). Each run's tail (header,
+index, footer) is read and checked there — not its payloads — so a corrupt or foreign entry is a
+miss before any block is allocated. ``build_connector_meta`` hands the worker the runs to decode
+into the allocated blocks and, in the step a prompt's prefill completes, the blocks to store.
 
-**Worker side.** Loads decode every layer with :class:`alignpred.KvzReader` into staging
-buffers and write them into the paged cache with vLLM's own ``cpu_attn_reshape_and_cache`` (so
-the layout is whatever the attention kernels use). Saves read the blocks back through the
-inverse of that layout (probed once by writing a known pattern with the same op), after the
-forward (``wait_for_save``), and encode them in a background thread (``sync_save`` to do it in
-the step).
+**Worker side.** ``start_load_kv`` returns at once: kvz's load thread
+(:mod:`~kvz.integrations.vllm.loader`) decodes the step's loads layer by layer, reading each
+layer's bytes from the store ahead of its decode (ranged reads: ``pread`` / ``GETRANGE``), and
+writes each layer into the paged cache with vLLM's own ``cpu_attn_reshape_and_cache`` (so the
+layout is whatever the attention kernels use); ``wait_for_layer_load`` waits for that layer only,
+so decode runs under the forward of the layers before it. Saves read the blocks back through the
+inverse of that layout (probed once by writing a known pattern with the same op) after the forward
+(``wait_for_save``) and encode them in a background thread (``sync_save`` to do it in the step).
+At start-up (``register_kv_caches``) the load thread compiles the codec's kernels (numba's on-disk
+cache makes later processes fast) and, with ``profile="auto"``, measures and chooses; ``stats()``
+returns the timings, the load cores and the choice with its reasons.
 
-**Failures**: a store that is down or an entry that is corrupt or foreign is a miss plus a
-:class:`~kvz.integrations.vllm.store.KvzVllmWarning`; a decode that fails on the worker reports
-its blocks through ``get_block_ids_with_load_errors`` (with ``kv_load_failure_policy="recompute"``
-vLLM recomputes them).
+**Failures**: a store that is down or an entry that is corrupt or foreign at lookup is a miss plus
+a :class:`~kvz.integrations.vllm.store.KvzVllmWarning`; a load that fails on the worker (the store
+goes down between two layers, an entry evicted or replaced under the reader, a payload checksum)
+or misses the deadline stops writing (cancels take the lock every write holds, so no late write
+lands on recomputed blocks) and reports its blocks through ``get_block_ids_with_load_errors``
+(with ``kv_load_failure_policy="recompute"`` vLLM recomputes them).
 """
 from __future__ import annotations
 
@@ -328,6 +345,9 @@ class KvzConnector(KVConnectorBase_V1):
         except Exception as e:  # noqa: BLE001
             warn(f"kvz: codec warm-up failed ({type(e).__name__}: {e})")
         if self.profile_setting != "auto":
+            return
+        if self.read_only:
+            self.profile_choice = {"profile": None, "setting": "auto", "reason": "read-only: this engine never saves"}
             return
         from . import profile_choice as pc
 

@@ -26,3 +26,36 @@ def test_given_model_is_kept():
     from kvz.benchmarks.vllm_reuse import resolve_model
 
     assert resolve_model("/some/dir") == "/some/dir"
+
+
+def test_transcoded_store_is_what_a_writer_in_that_profile_stores(tmp_path):
+    """``vllm_hit.transcode``: the lossy stores of the hit benchmark are made from the lossless one
+    under the same keys; a lookup finds every block, and the decoded KV is within eps of the exact."""
+    import numpy as np
+    from conftest import sample_paths
+
+    from alignpred import KvzReader, load_cache
+    from kvz.benchmarks.vllm_hit import transcode
+    from kvz.integrations.kvstore import DirectoryBackend
+    from kvz.integrations.vllm.store import BlockStore
+
+    c = load_cache(sample_paths()[0])
+    ids = [int(x) for x in json.loads(c.metadata["token_ids"])][:256]
+    kv = [tuple(np.asarray(c.tensors[f"layers.{i}.{n}"])[..., :256, :].reshape(1, 256, 256) for n in ("key", "value"))
+          for i in range(18)]
+    kw = dict(model_id="m", block_size=128, layer_types=json.loads(c.metadata["layer_types"]),
+              rope_theta=json.loads(c.metadata["rope_theta"]), shape=(18, 1, 256), dtype="bfloat16",
+              bank="gemma-3-270m", threads=1)
+    src = BlockStore(DirectoryBackend(str(tmp_path / "ll")), lossless=True, **kw)
+    src.put_run(ids, 0, kv, src.block_hashes(ids, 2))
+    got = transcode(str(tmp_path / "ll"), str(tmp_path / "fast"), src.runs, ids, "fast")
+    assert got["profile"] == "fast" and got["bytes"] > 0
+    dst = BlockStore(DirectoryBackend(str(tmp_path / "fast")), eps=0.02, **kw)
+    n, segs = dst.lookup(ids, 2)
+    assert n == 2
+    blob = dst.backend.get(segs[0].run_key)
+    r = KvzReader(blob, bank="gemma-3-270m")
+    assert r.config.inter_map is False  # the fast profile: no linear maps
+    k0 = r.read()["layers.3.key"].astype(np.float64)
+    ref = kv[3][0].astype(np.float64)
+    assert np.sqrt(((k0 - ref) ** 2).sum() / (ref ** 2).sum()) <= 0.0201

@@ -1,0 +1,175 @@
+# ruff: noqa: F811
+"""Layer-wise loads in vLLM's own engine: partial hits across two stored runs, and faults during a
+load — a payload checksum flipped in one layer, an entry truncated on disk, a Redis store too slow
+for the load deadline, Redis stopped between two layers. Every affected prompt is recomputed (the
+blocks come back through ``get_block_ids_with_load_errors``, or the entry is a miss at lookup) and
+gives the greedy tokens of an engine without a connector; no engine crashes or hangs.
+
+Phase 1 (in parallel): an engine without a connector (the reference), a writer into a lossless
+directory store, a writer into Redis. The test then damages two stored runs. Phase 2: a reader of
+the directory store and a reader of Redis behind a 2 Mbit/s link with a 3 s deadline. Phase 3: a
+reader of Redis behind an 8 Mbit/s link whose server the test stops once part of the load has
+crossed the link."""
+import hashlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_connector import BS, TEXTS, _spec, _wait
+
+from kvz.integrations.kvstore.server import RedisServer, require_redis
+
+pytestmark = pytest.mark.timeout(2400)
+
+
+def _prompts(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    c = tok.encode((TEXTS / "c-code.txt").read_text(), add_special_tokens=False)
+    m = tok.encode((TEXTS / "math-proofs.txt").read_text(), add_special_tokens=False)
+    e = tok.encode((TEXTS / "english-technical.txt").read_text(), add_special_tokens=False)
+    cut = lambda t, a, n: [2] + [t[(a + i) % len(t)] for i in range(n - 1)]  # noqa: E731
+    p = {"F1": cut(c, 0, 600), "F2": cut(m, 0, 600), "Q1": cut(e, 2000, 300), "Q2": cut(e, 2000, 700),
+         "R1": cut(m, 900, 600), "R2": cut(c, 900, 600)}
+    p["Q3"] = p["Q2"][:650] + cut(m, 3000, 101)[1:]  # Q2's first 640 tokens (5 blocks), then other text
+    return p
+
+
+def _entry_file(store_dir, key):
+    return os.path.join(store_dir, hashlib.sha256(key.encode()).hexdigest() + ".kvc")
+
+
+def _run_of(out, first_block=0, blocks=None):
+    runs = [r for r in out["connector"]["runs"] if r["first_block"] == first_block
+            and (blocks is None or r["blocks"] == blocks)]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, gemma_hf_dir):
+    require_redis()
+    from kvz.benchmarks.link_proxy import LinkProxy
+
+    tmp = tmp_path_factory.mktemp("vllm-layerwise")
+    P = _prompts(gemma_hf_dir)
+    cores = sorted(os.sched_getaffinity(0))
+    c0, c1 = cores[0], cores[-1]
+    store = str(tmp / "store")
+    out = {"_P": P, "_tmp": tmp}
+    with RedisServer() as srv:
+        fast = LinkProxy(("127.0.0.1", srv.port), rate_bits_per_s=None).start()
+        slow = LinkProxy(("127.0.0.1", srv.port), rate_bits_per_s=2e6).start()
+        mid = LinkProxy(("127.0.0.1", srv.port), rate_bits_per_s=8e6).start()
+        try:
+            ns = {"namespace": "layerwise"}
+            p1 = {"ref": _spec(tmp, "ref", gemma_hf_dir, [P[k] for k in ("F1", "F2", "Q3", "R1", "R2")], None, c0),
+                  "dir_write": _spec(tmp, "dir_write", gemma_hf_dir, [P[k] for k in ("F1", "F2", "Q1", "Q2")],
+                                     {"store": store, "lossless": True}, c1),
+                  "redis_write": _spec(tmp, "redis_write", gemma_hf_dir, [P["R1"], P["R2"]],
+                                       {"store": fast.url_for(srv.url), **ns}, c0)}
+            out.update(_wait(p1))
+            # damage the directory store: F1's run gets one byte of layer 9 flipped, F2's is cut short
+            from alignpred import KvzReader
+            from kvz.integrations.kvstore import DirectoryBackend
+
+            be = DirectoryBackend(store)
+            (f1,) = [r["key"] for r in out["dir_write"]["connector"]["runs"]][:1]
+            f2 = out["dir_write"]["connector"]["runs"][1]["key"]
+            src = be.open_blob(f1)
+            off, n = KvzReader(src, bank="gemma-3-270m").payload_spans(9)[0]
+            size = src.size
+            src.close()
+            path = _entry_file(store, f1)
+            data = bytearray(Path(path).read_bytes())
+            data[len(data) - size + off + n // 2] ^= 0x10
+            Path(path).write_bytes(bytes(data))
+            path2 = _entry_file(store, f2)
+            Path(path2).write_bytes(Path(path2).read_bytes()[:-5000])
+            p2 = {"dir_read": _spec(tmp, "dir_read", gemma_hf_dir, [P["F1"], P["F2"], P["Q3"]],
+                                    {"store": store, "lossless": True, "read_only": True}, c1),
+                  "redis_slow": _spec(tmp, "redis_slow", gemma_hf_dir, [P["R1"]],
+                                      {"store": slow.url_for(srv.url), "read_only": True, "load_deadline_s": 3.0,
+                                       **ns}, c0)}
+            t0 = time.monotonic()
+            out.update(_wait(p2))
+            out["_phase2_s"] = time.monotonic() - t0
+            # phase 3: stop the server once 400 kB of the load (of ~2 MB) have crossed the 8 Mbit/s link
+            stopped = {}
+
+            def watch():
+                while mid.stats()["bytes_down"] < 400_000:
+                    if stopped.get("end"):
+                        return
+                    time.sleep(0.01)
+                stopped["at_bytes"] = mid.stats()["bytes_down"]
+                srv.stop()
+
+            w = threading.Thread(target=watch, daemon=True)
+            w.start()
+            out.update(_wait({"redis_stop": _spec(tmp, "redis_stop", gemma_hf_dir, [P["R2"]],
+                                                  {"store": mid.url_for(srv.url), "read_only": True, **ns}, c1)}))
+            stopped["end"] = True
+            w.join(5)
+            out["_stopped"] = stopped
+        finally:
+            for p in (fast, slow, mid):
+                p.stop()
+    return out
+
+
+def _tokens(r, name, i):
+    return r[name]["results"][i]["tokens"]
+
+
+def test_partial_hit_from_two_runs_is_exact(runs):
+    """Q1 (2 blocks) then Q2 (5 blocks: 3 new) were stored as two runs; Q3 shares Q2's first 650 tokens
+    and then diverges: the 5 stored blocks are loaded from both runs, lossless, the tokens exact."""
+    w = runs["dir_write"]["connector"]["runs"]
+    assert [(r["first_block"], r["blocks"]) for r in w][2:] == [(0, 2), (2, 3)]
+    q3 = runs["dir_read"]["results"][2]
+    assert q3["cached_tokens"] == 5 * BS
+    assert q3["tokens"] == _tokens(runs, "ref", 2)
+    assert q3["delta"]["loaded_blocks"] == 5 and q3["delta"]["failed_blocks"] == 0
+
+
+def test_flipped_layer_is_recomputed(runs):
+    f1 = runs["dir_read"]["results"][0]
+    assert f1["tokens"] == _tokens(runs, "ref", 0)
+    assert f1["delta"]["failed_blocks"] == 4 and f1["delta"]["loaded_blocks"] == 0
+    assert any("ChecksumError" in x and "layers.9" in x for x in runs["dir_read"]["warnings"]), runs["dir_read"]["warnings"]
+
+
+def test_truncated_entry_is_a_miss(runs):
+    f2 = runs["dir_read"]["results"][1]
+    assert f2["tokens"] == _tokens(runs, "ref", 1)
+    assert f2["cached_tokens"] == 0
+
+
+def test_slow_store_hits_the_deadline_and_recomputes(runs):
+    r1 = runs["redis_slow"]["results"][0]
+    assert r1["tokens"] == _tokens(runs, "ref", 3)
+    assert r1["delta"]["failed_blocks"] == 4
+    assert any("deadline" in x for x in runs["redis_slow"]["warnings"]), runs["redis_slow"]["warnings"]
+    # the deadline bounds the wait: the cold prefill that follows is the rest of this request's time
+    assert r1["delta"]["blocked_s"] < 3.0 + 1.0, r1["delta"]
+
+
+def test_redis_stopped_between_layers_recomputes(runs):
+    assert runs["_stopped"].get("at_bytes"), "the server was never stopped: the load did not cross the link"
+    r2 = runs["redis_stop"]["results"][0]
+    assert r2["tokens"] == _tokens(runs, "ref", 4)
+    assert r2["delta"]["failed_blocks"] == 4
+    st = runs["redis_stop"]["connector"]["stats"]
+    assert st["profile"]["setting"] == "auto"
+
+
+def test_writers_chose_a_profile_and_report_it(runs):
+    for name in ("dir_write", "redis_write"):
+        prof = runs[name]["connector"]["stats"]["profile"]
+        assert prof["profile"] in ("default", "balanced", "fast"), prof
+        assert prof["decode_values_per_s"] and prof["read_bytes_per_s"] > 0, prof
+        print(name, json.dumps(prof)[:600])
