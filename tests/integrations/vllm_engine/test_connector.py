@@ -173,8 +173,10 @@ def test_lossy_kl_against_recompute(runs):
 
 def test_corrupt_entry_is_a_miss_with_warning(runs):
     w, r = runs["lossy_write"]["results"], runs["lossy_read"]["results"]
-    assert r[1]["cached_tokens"] == 0
+    # the run's tail is intact, so the damage is found when its payload is decoded: a load error,
+    # the blocks recomputed (vLLM may still count them as cached)
     assert r[1]["tokens"] == w[1]["tokens"]
+    assert r[1]["delta"]["failed_blocks"] > 0 or r[1]["cached_tokens"] == 0
     assert any("KvzVllmWarning" in x for x in runs["lossy_read"]["warnings"]), runs["lossy_read"]["warnings"]
 
 
