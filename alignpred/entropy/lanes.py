@@ -26,11 +26,11 @@ import functools
 import os
 
 import numpy as np
-from numba import njit
 
 from alignpred.entropy.models import load as _load_v1
 from alignpred.entropy.rans import _tokenize
 from alignpred.errors import FormatError
+from alignpred.kernels._jit import njit
 
 N_LANES = 32
 LANES_PREC = 12                  # probability precision of the lanes32 tables

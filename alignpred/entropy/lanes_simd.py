@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from llvmlite.ir import instructions as _ins
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -39,6 +39,7 @@ from alignpred.entropy.lanes import (
     lane_step,
     lane_table,
 )
+from alignpred.kernels._jit import njit
 
 _I1 = ir.IntType(1)
 _I8 = ir.IntType(8)

@@ -20,7 +20,8 @@ so the token carries the sign (bit 0 of u), the octave and the bit after the lea
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from alignpred.kernels._jit import njit
 
 # --- format constants (changing any of them is a new bitstream version) -------------------
 PREC = 15                      # probability precision: frequencies sum to 2**PREC

@@ -19,7 +19,6 @@ Integer-only, like every entropy kernel: the bytes are the same on every machine
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from alignpred.entropy.rans import (
     _COARSE_SHIFT_U,
@@ -39,6 +38,7 @@ from alignpred.entropy.rans import (
     _value,
     pack_raw,
 )
+from alignpred.kernels._jit import njit
 
 
 @njit(cache=True, nogil=True)

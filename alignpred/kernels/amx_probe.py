@@ -22,9 +22,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import njit
 
 from alignpred.kernels import intmap_amx as amx
+from alignpred.kernels._jit import njit
 from alignpred.kernels.intmap_block import aligned_empty
 
 __all__ = ["amx_mix"]
@@ -41,7 +41,7 @@ def _config8() -> np.ndarray:
     return cfg
 
 
-@njit(nogil=True)
+@njit(cache=True, nogil=True)
 def _probe(xh, xl, n, wh, wl, cfg, acc, loads, apart, joined=False, hot=False):
     """The tile loop of ``_products`` (every item, every source, every 64-channel step) without the
     epilogue; ``loads``: load the operand tiles; ``apart``: the xl.wh product into its own tile;

@@ -28,9 +28,10 @@ import threading
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
 
+from alignpred.kernels._jit import njit
 from alignpred.kernels.fused_rows import (
     bf16_ir,
     f16_ir,

@@ -43,10 +43,11 @@ import threading
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from alignpred.kernels._jit import njit
 from alignpred.kernels.intmap_block import (
     _V16D,
     _V16F,

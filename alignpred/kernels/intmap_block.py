@@ -7,9 +7,11 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from alignpred.kernels._jit import njit
 
 BX = 14                          # bits (with sign) of a quantised x value
 BW = 13                          # bits (with sign) of a quantised weight

@@ -18,10 +18,11 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from alignpred.kernels._jit import njit
 from alignpred.kernels.intmap_block import (
     _I32,
     _MAGIC32,

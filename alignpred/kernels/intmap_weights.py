@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
+from alignpred.kernels._jit import njit
 from alignpred.kernels.intmap_block import BW, SHIFT_MAX, WQ_MAX, _pow2
 
 _WQ_MAX_F = float(WQ_MAX)

@@ -10,7 +10,8 @@ the encoder uses, value for value).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from alignpred.kernels._jit import njit
 
 
 @njit(cache=True)

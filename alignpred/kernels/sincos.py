@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from alignpred.errors import LayoutError
+from alignpred.kernels._jit import njit
 
 __all__ = ["sincos_f32", "sincos_reference", "MAX_ANGLE", "ANGLE_LIMIT"]
 
