@@ -9,6 +9,7 @@ The public API (what a serving loader calls)::
     tensors = r.read(tokens=(0, 128))
     for layer, k, v in r.layers(tokens=(0, 128), out=lambda i: (kbuf[i], vbuf[i])):  # into your buffers
         ...
+    warmup(profiles=("default", "fast"))   # at engine start-up: no numba compile on a request path
 
 The pipeline, one sub-package per stage (imports only point down this list):
 
@@ -50,6 +51,7 @@ _EXPORTS = {
     "CompressInfo": "alignpred.format.writer",
     "compress": "alignpred.format.writer",
     "compress_bytes": "alignpred.format.writer",
+    "warmup": "alignpred.format.warmup",
     "atomic_write": "alignpred.io",
     "atomic_file": "alignpred.io",
 }
@@ -99,5 +101,6 @@ if TYPE_CHECKING:  # static checkers see the eager imports
     )
     from alignpred.format.reader import KvzReader
     from alignpred.format.session import DecoderSession
+    from alignpred.format.warmup import warmup
     from alignpred.format.writer import CompressInfo, compress, compress_bytes
     from alignpred.io import atomic_file, atomic_write
