@@ -52,7 +52,7 @@ def transcode(src_dir: str, dst_dir: str, runs: list, token_ids: list, profile: 
     from the lossless runs of ``src_dir`` (decoded to the exact KV the writer computed)."""
     from alignpred import KvzReader
     from kvz.integrations.kvstore import DirectoryBackend
-    from kvz.integrations.vllm.store import BlockStore
+    from kvz.integrations.vllm import BlockStore
 
     src = DirectoryBackend(src_dir)
     out = None
@@ -90,8 +90,7 @@ def copy_to_redis(src_dir: str, url: str, namespace: str) -> int:
 def choose_auto(store_dir: str, tokens: int, cores) -> dict:
     """The connector's ``auto`` choice for a lossy eps-0.02 store, measured on ``cores``."""
     from kvz.integrations.kvstore import DirectoryBackend
-    from kvz.integrations.vllm import profile_choice as pc
-    from kvz.integrations.vllm.store import BlockStore
+    from kvz.integrations.vllm import BlockStore, choose_profile
 
     try:
         os.sched_setaffinity(0, set(cores))
@@ -102,16 +101,13 @@ def choose_auto(store_dir: str, tokens: int, cores) -> dict:
     be = DirectoryBackend(store_dir)
     st = BlockStore(be, model_id="probe", block_size=128, layer_types=types, rope_theta=thetas, shape=(L, H, D),
                     dtype="bfloat16", bank="gemma-3-270m", threads=1)
-    thr = pc.measure_decode(st)
-    bw = pc.measure_read(be)
-    name, reason, est = pc.choose(thr, bandwidth=bw, values=2 * L * H * D * tokens, layers=L, lossless=False)
-    return {"profile": name, "reason": reason, "decode_values_per_s": thr, "read_bytes_per_s": bw}
+    return choose_profile(st, be, (L, H, D), tokens)
 
 
 def run(size: int, model_dir: str, *, rounds: int = 3, links=("1g", "10g"), workdir: str | None = None,
         topk: int = 20, log=print) -> dict:
-    from kvz.integrations.kvstore.server import RedisServer
-    from kvz.integrations.vllm.harness import mean_kl
+    from kvz.integrations.kvstore import RedisServer
+    from kvz.integrations.vllm import mean_kl
 
     from . import vllm_reuse as vr
     from .link_proxy import LinkProxy

@@ -87,9 +87,9 @@ def resolve_model(model: str | None) -> str:
     """``model``, or (None) the bundled Gemma 3 270M converted once into ``~/.cache/kvz/gemma3-hf``."""
     if model:
         return str(model)
-    from kvz.integrations.vllm.convert import convert  # the function: the package's name is the submodule
+    from kvz.integrations.vllm import convert_model
 
-    return str(convert(Path("~/.cache/kvz/gemma3-hf").expanduser()))
+    return str(convert_model(Path("~/.cache/kvz/gemma3-hf").expanduser()))
 
 
 def _store_cfg(store: str, root: Path):

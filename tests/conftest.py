@@ -75,6 +75,13 @@ def sample_paths():
     return sorted(glob.glob(os.path.join(SAMPLES, "*.safetensors")))
 
 
+@pytest.fixture
+def sample_files():
+    """:func:`sample_paths` as a fixture, for tests that run beside another folder's ``conftest``
+    (``from conftest import`` then finds whichever was imported last)."""
+    return sample_paths()
+
+
 def synthetic_cache(n_layers=3, heads=1, T=300, d=32, dtype=np.float16, seed=0, roped=False):
     """Correlated synthetic cache (unit tests only): layers share a latent signal."""
     rng = np.random.default_rng(seed)

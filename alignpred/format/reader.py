@@ -17,8 +17,6 @@ True
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import mmap
 import os
 import threading
@@ -30,11 +28,11 @@ from alignpred.bank.bank import Bank
 from alignpred.bank.registry import resolve_bank
 from alignpred.cache.arrays import as_numpy
 from alignpred.cache.layout import CacheLayout, numpy_dtype
-from alignpred.codec.budget import STEP_UNIT
 from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
 from alignpred.errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError, TruncatedError
-from alignpred.format.container import ENTRY_SIZE, FLAG_REFINE, crc32, parse_container
+from alignpred.format.container import FLAG_REFINE, crc32, parse_container
+from alignpred.format.describe import slice_metadata, summarize
 from alignpred.format.header import check_header, coder_prec, minor_for, tensor_metas
 from alignpred.format.index import check_index
 from alignpred.format.ranged import RangedSource, sparse_copy
@@ -480,56 +478,9 @@ class KvzReader:
         return len(head) + t_bytes * len(names)
 
     def _slice_metadata(self, start: int, sel: list) -> dict:
-        """The source metadata, adjusted for a decoded subset: per-layer lists cut to the layers
-        kept, and the RoPE position offset moved to the first token kept."""
-        meta = self.source_metadata
-        lay = self.layout
-        keep = list(sel)
-        for key in ("layer_types", "rope_theta"):
-            if key in meta:
-                try:
-                    v = json.loads(meta[key])
-                    meta[key] = json.dumps([v[i] for i in keep]) if isinstance(v, list) else meta[key]
-                except (ValueError, TypeError, IndexError):
-                    del meta[key]
-        if lay.rope is not None:
-            spec = lay.rope
-            meta["rope"] = json.dumps({"tables": [t.to_json() for t in spec.tables],
-                                       "layer_table": [spec.layer_table[i] for i in keep]})
-        if start or "position_offset" in meta:
-            meta["position_offset"] = str(lay.position_offset + start)
-        return meta
+        return slice_metadata(self, start, sel)
 
     # -- summary ---------------------------------------------------------------------------------
     def summary(self) -> dict:
-        lay = self.layout
-        size = len(self._buf)
-        per = {}
-        for ti, m in enumerate(self.metas):
-            ents = self.index[ti * self.n_objects_per_tensor:(ti + 1) * self.n_objects_per_tensor]
-            nbytes = sum(e.length for e in ents) + ENTRY_SIZE * len(ents)
-            n_vals = lay.kv_heads * lay.n_tokens * lay.head_dim
-            steps = {} if m.step_codes is None else {"step_multiplier_min": int(m.step_codes.min()) / STEP_UNIT,
-                                                      "step_multiplier_max": int(m.step_codes.max()) / STEP_UNIT}
-            if m.plain_sq_err is not None:  # attention scope: plain NRMSE over the positions a later query reads
-                steps["plain_nrmse_read"] = math.sqrt(m.plain_sq_err / m.plain_sq_norm) if m.plain_sq_norm else 0.0
-            per[m.name] = {**steps, "nrmse": math.sqrt(m.sq_err / m.sq_norm) if m.sq_norm > 0 else 0.0,
-                           "bpv_payload": 8.0 * nbytes / n_vals,
-                           "max_object_nrmse": max((math.sqrt(e.sq_err / e.sq_norm) if e.sq_norm > 0 else 0.0)
-                                                   for e in ents)}
-        tot_e = sum(m.sq_err for m in self.metas)
-        tot_n = sum(m.sq_norm for m in self.metas)
-        emb, codec = self.header["bank"].get("embedded"), self.header["codec"]
-        tier_bytes = {}
-        n_c = len(self.metas) * self.n_objects_per_tensor
-        for k, name in enumerate(self.tiers):
-            tier_bytes[name] = sum(e.length + ENTRY_SIZE for e in self.index[k * n_c:(k + 1) * n_c])
-        return {"file": self.path, "version": ".".join(map(str, self.version)), "layout": lay.to_json(),
-                "eps": self.eps, "eps_scope": self.scope, "tensor_cap": self.tensor_cap, "tiers": list(self.tiers),
-                "tier_payload_bytes": tier_bytes, "coder": codec["entropy"]["coder"],
-                "config": self.config.to_json(), "bank_id": self.bank_id, "bank_embedded": bool(emb),
-                "bank_bytes": int(emb["length"]) if emb else 0,
-                "file_bytes": size, "n_values": lay.n_values, "bpv": 8.0 * size / lay.n_values,
-                "nrmse_pooled": math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0,
-                "nrmse_max_tensor": max(v["nrmse"] for v in per.values()), "tensors": per, "error_measure":
-                "attention" if self.scope == "attention" else "plain", "plain_cap": float(codec.get("plain_cap", 0.0))}
+        """Sizes and errors of the file, per tensor and pooled (what ``kvz inspect`` prints)."""
+        return summarize(self)

@@ -5,7 +5,8 @@ Importing this package does not import vLLM; ``KvzConnector`` is loaded on first
 """
 from __future__ import annotations
 
-__all__ = ["KvzConnector", "KvzConnectorMetadata", "BlockStore", "KvzVllmWarning", "open_backend", "convert", "mean_kl"]
+__all__ = ["KvzConnector", "KvzConnectorMetadata", "BlockStore", "KvzVllmWarning", "open_backend", "convert_model",
+           "mean_kl", "choose_profile"]
 
 
 def __getattr__(name):
@@ -13,11 +14,15 @@ def __getattr__(name):
         from . import connector
 
         return getattr(connector, name)
+    if name == "choose_profile":
+        from .profile_choice import choose_profile
+
+        return choose_profile
     if name == "mean_kl":
         from .harness import mean_kl
 
         return mean_kl
-    if name == "convert":
+    if name == "convert_model":  # not ``convert``: that name is the submodule once anything imported it
         from .convert import convert
 
         return convert

@@ -65,13 +65,15 @@ import queue
 import re
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 
+from .meta import KvzConnectorMetadata, LoadSpec, RequestState, SaveSpec
+from .model import model_info
+from .paged import PagedLayout, save_kv
 from .store import DEFAULT_EPS, BlockStore, open_backend, warn
 
 if TYPE_CHECKING:
@@ -85,79 +87,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 __all__ = ["KvzConnector", "KvzConnectorMetadata", "model_info"]
-
-GEMMA3_270M = "gemma-3-270m"
-
-
-# ============================================================================ model facts
-
-def model_info(vllm_config) -> dict:
-    """Layer types, per-layer RoPE bases, ``(layers, kv_heads, head_dim)``, KV dtype and the default
-    bank of the served model, from vLLM's config."""
-    mc = vllm_config.model_config
-    cfg = mc.hf_text_config
-    n = int(cfg.num_hidden_layers)
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
-    params = getattr(cfg, "rope_parameters", None)
-    thetas = []
-    for t in types:
-        if isinstance(params, dict) and isinstance(params.get(t), dict):
-            p = params[t]
-        elif isinstance(params, dict) and "rope_theta" in params:
-            p = params
-        else:
-            base = getattr(cfg, "rope_local_base_freq", None) if t == "sliding_attention" else None
-            p = {"rope_theta": base or getattr(cfg, "rope_theta", 10000.0), "rope_type": "default"}
-        if p.get("rope_type", "default") != "default":
-            raise NotImplementedError(f"kvz connector: RoPE type {p.get('rope_type')!r} is not supported yet")
-        thetas.append(float(p["rope_theta"]))
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    bank = None
-    if getattr(cfg, "model_type", "") in ("gemma3_text", "gemma3") and (n, kv_heads, head_dim) == (18, 1, 256):
-        bank = GEMMA3_270M
-    name = mc.served_model_name
-    if isinstance(name, (list, tuple)):
-        name = name[0]
-    model_id = os.path.basename(str(name).rstrip("/")) or str(name)
-    dtype = str(mc.dtype).replace("torch.", "")
-    return {"layer_types": types, "rope_theta": thetas, "shape": (n, kv_heads, head_dim), "dtype": dtype,
-            "bank": bank, "model_id": model_id}
-
-
-# ============================================================================ metadata
-
-@dataclass
-class LoadSpec:
-    req_id: str
-    segments: list  # [Segment]
-    block_ids: list  # the request's block ids (index = block position)
-
-
-@dataclass
-class SaveSpec:
-    req_id: str
-    token_ids: list
-    first_block: int
-    block_ids: list  # ids of blocks first_block..first_block+n
-    hashes: list
-
-
-@dataclass
-class KvzConnectorMetadata(KVConnectorMetadata):
-    loads: list = field(default_factory=list)
-    saves: list = field(default_factory=list)
-
-
-@dataclass
-class _ReqState:
-    token_ids: list
-    block_ids: list
-    prompt_len: int
-    hit_blocks: int = 0
-    lossy_load: bool = False
-    saved: bool = False
-
 
 # ============================================================================ the connector
 
@@ -210,11 +139,10 @@ class KvzConnector(KVConnectorBase_V1):
         # scheduler side
         self._lookups: dict[str, tuple[int, int, list]] = {}  # req -> (num_computed, hit blocks, segments)
         self._pending_loads: dict[str, tuple[int, list]] = {}
-        self._reqs: dict[str, _ReqState] = {}
+        self._reqs: dict[str, RequestState] = {}
         # worker side
         self._kv: list[tuple[str, torch.Tensor]] = []
-        self._perm: torch.Tensor | None = None
-        self._isa: str | None = None
+        self._paged: PagedLayout | None = None
         self._load_errors: set[int] = set()
         self._step = None
         self._step_waited: set[int] = set()
@@ -265,7 +193,7 @@ class KvzConnector(KVConnectorBase_V1):
         meta = KvzConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             ids = list(new.prompt_token_ids or [])
-            st = _ReqState(ids, list(new.block_ids[0]), len(ids))
+            st = RequestState(ids, list(new.block_ids[0]), len(ids))
             self._reqs[new.req_id] = st
             pl = self._pending_loads.pop(new.req_id, None)
             if pl is not None:
@@ -323,13 +251,8 @@ class KvzConnector(KVConnectorBase_V1):
         items = sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
         self._kv = items
         self._layer_of = {name: i for i, (name, _) in enumerate(items)}
-        L, H, d = self.info["shape"]
-        if len(items) != L:
-            raise ValueError(f"kvz connector: {len(items)} KV caches for a {L}-layer model")
-        for name, t in items:
-            if t.dim() != 4 or t.shape[1] != H or t.shape[2] != self.block_size or t.shape[3] != 2 * d:
-                raise ValueError(f"kvz connector: KV cache {name} has shape {tuple(t.shape)}; expected "
-                                 f"[blocks, {H}, {self.block_size}, {2 * d}] (the CPU attention backend)")
+        self._paged = PagedLayout(items, self.block_size, self.info["shape"],
+                                  self._vllm_config.cache_config.cache_dtype)
         logger.info("kvz connector: loads on cores %s (%s), %d decode thread(s), deadline %g s, layerwise %s",
                     self.load_cores, self.load_cores_reason, self.decode_threads, self.load_deadline_s, self.layerwise)
         if self.warmup or self.profile_setting == "auto":
@@ -338,7 +261,6 @@ class KvzConnector(KVConnectorBase_V1):
     def _warm_up(self) -> None:
         """In kvz's load thread, on the cores loads run on: compile (or load from numba's cache) the
         codec's kernels, and with profile ``auto`` measure and choose (:mod:`.profile_choice`)."""
-        t0 = time.perf_counter()
         try:
             if self.warmup:
                 self.timings["warmup_s"] = self.store.warmup()
@@ -349,25 +271,10 @@ class KvzConnector(KVConnectorBase_V1):
         if self.read_only:
             self.profile_choice = {"profile": None, "setting": "auto", "reason": "read-only: this engine never saves"}
             return
-        from . import profile_choice as pc
+        from .profile_choice import choose_profile
 
-        try:
-            thr = pc.measure_decode(self.store)
-            bw = pc.measure_read(self.backend)
-            L, H, d = self.info["shape"]
-            tokens = int(self._vllm_config.model_config.max_model_len)
-            name, reason, est = pc.choose(thr, bandwidth=bw or 1e9, values=2 * L * H * d * tokens, layers=L,
-                                          lossless=self.store.lossless)
-            self.store.profile = name
-            self.profile_choice = {"profile": name, "setting": "auto", "reason": reason,
-                                   "decode_values_per_s": {k: round(v) for k, v in thr.items()},
-                                   "read_bytes_per_s": round(bw), "tokens": tokens,
-                                   "estimates": {k: {x: round(y, 4) for x, y in e.items()} for k, e in est.items()},
-                                   "measure_s": round(time.perf_counter() - t0, 3)}
-        except Exception as e:  # noqa: BLE001 - measuring failed: the fewest bits
-            self.store.profile = "default"
-            self.profile_choice = {"profile": "default", "setting": "auto",
-                                   "reason": f"measurement failed ({type(e).__name__}: {e}); default"}
+        self.profile_choice = choose_profile(self.store, self.backend, self.info["shape"],
+                                         int(self._vllm_config.model_config.max_model_len))
         logger.info("kvz connector: profile auto -> %s", self.profile_choice["reason"])
 
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -386,64 +293,6 @@ class KvzConnector(KVConnectorBase_V1):
                 "profile": dict(self.profile_choice), "load_cores": list(self.load_cores),
                 "load_cores_reason": self.load_cores_reason, "layerwise": self.layerwise,
                 "load_deadline_s": self.load_deadline_s}
-
-    def _get_isa(self) -> str:
-        if self._isa is None:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            t = self._kv[0][1]
-            self._isa = _get_attn_isa(t.dtype, self.block_size, self.info["shape"][2],
-                                      self._vllm_config.cache_config.cache_dtype)
-        return self._isa
-
-    @staticmethod
-    def _split(cache: torch.Tensor):
-        nb, h, bs, _ = cache.shape
-        return cache.view(nb, h, bs * 2, -1).chunk(2, dim=2)
-
-    def _write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``k``/``v`` (``[n, kv_heads, head_dim]``) into ``cache`` at ``slots`` with vLLM's op."""
-        from vllm import _custom_ops as ops
-
-        kc, vc = self._split(cache)
-        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, self._get_isa())
-
-    def _layout(self) -> torch.Tensor:
-        """For each element of a (block, head) slab, its flat index in ``[K | V] x [bs, head_dim]``
-        order: probed by writing a known pattern with the same op the attention layer uses."""
-        if self._perm is None:
-            _, H, d = self.info["shape"]
-            bs = self.block_size
-            dt = self._kv[0][1].dtype
-            n = 2 * bs * d
-            idx = torch.arange(n, dtype=torch.int64).view(2, bs, d)
-            found = []
-            for part in (idx % 256, idx // 256):  # small integers: exact in bf16/fp16
-                scratch = torch.zeros((1, H, bs, 2 * d), dtype=dt)
-                k = part[0][:, None, :].expand(bs, H, d).to(dt).contiguous()
-                v = part[1][:, None, :].expand(bs, H, d).to(dt).contiguous()
-                self._write(scratch, k, v, torch.arange(bs, dtype=torch.int64))
-                found.append(scratch[0, 0].reshape(-1).to(torch.int64))
-            perm = found[0] + 256 * found[1]
-            if not torch.equal(torch.sort(perm).values, torch.arange(n)):
-                raise RuntimeError("kvz connector: the KV cache layout is not a permutation of K and V")
-            self._perm = perm
-        return self._perm
-
-    def _read_blocks(self, block_ids) -> list:
-        """``[(K, V)]`` per layer, ``[kv_heads, n*bs, head_dim]`` (copies), of ``block_ids``."""
-        _, H, d = self.info["shape"]
-        bs = self.block_size
-        perm = self._layout()
-        b = torch.as_tensor(block_ids, dtype=torch.int64)
-        out = []
-        for _, cache in self._kv:
-            slabs = cache.index_select(0, b).reshape(len(block_ids), H, -1)
-            lin = torch.empty_like(slabs)
-            lin[:, :, perm] = slabs
-            lin = lin.view(len(block_ids), H, 2, bs, d).permute(2, 1, 0, 3, 4).reshape(2, H, len(block_ids) * bs, d)
-            out.append((lin[0].contiguous(), lin[1].contiguous()))
-        return out
 
     # ------------------------------------------------------------------ worker side: load
     def _load_thread_pool(self):
@@ -495,8 +344,7 @@ class KvzConnector(KVConnectorBase_V1):
 
         def write(job, i, k, v):  # the layer's staging tensors [kv_heads, n, d] -> [n, kv_heads, d]
             kt, vt = staging[id(job)].pop(i)
-            self._write(self._kv[i][1], kt.transpose(0, 1).contiguous(), vt.transpose(0, 1).contiguous(),
-                        slots[id(job)])
+            self._paged.write(i, kt.transpose(0, 1).contiguous(), vt.transpose(0, 1).contiguous(), slots[id(job)])
 
         step = StepLoad(jobs, len(self._kv), write, self.load_deadline_s, warn=warn)
         self._step = step
@@ -561,7 +409,7 @@ class KvzConnector(KVConnectorBase_V1):
         for spec in meta.saves:
             t0 = time.perf_counter()
             try:
-                kv = self._read_blocks(spec.block_ids)
+                kv = self._paged.read_blocks(spec.block_ids)
             except Exception as e:  # noqa: BLE001
                 warn(f"kvz: reading blocks of {spec.req_id} failed ({type(e).__name__}: {e}); not stored")
                 continue
@@ -618,18 +466,11 @@ class KvzConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ debugging / tests
     def _debug_dump(self, what, rid, block_ids):
         try:
-            self._debug_write(what, rid, self._read_blocks(block_ids), 0)
+            self._debug_write(what, rid, self._paged.read_blocks(block_ids), 0)
         except Exception as e:  # noqa: BLE001
             warn(f"kvz: debug dump failed ({e})")
 
     def _debug_write(self, what, rid, kv, first_block):
-        from safetensors.torch import save_file
-
-        os.makedirs(self.debug_dir, exist_ok=True)
-        tensors = {}
-        for i, (k, v) in enumerate(kv):
-            tensors[f"layers.{i}.key"] = k.float().contiguous()
-            tensors[f"layers.{i}.value"] = v.float().contiguous()
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(rid))
-        save_file(tensors, os.path.join(self.debug_dir, f"{what}-{safe}.safetensors"),
-                  metadata={"first_block": str(first_block), "block_size": str(self.block_size)})
+        save_kv(os.path.join(self.debug_dir, f"{what}-{safe}.safetensors"), kv,
+                {"first_block": str(first_block), "block_size": str(self.block_size)})

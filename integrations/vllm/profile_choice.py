@@ -68,7 +68,7 @@ def _synthetic(shape, tokens: int, dtype: str, seed: int = 0):
     cache's more than white noise does."""
     import numpy as np
 
-    from alignpred.cache.layout import numpy_dtype
+    from alignpred.cache import numpy_dtype
 
     L, H, d = shape
     rng = np.random.default_rng(seed)
@@ -133,3 +133,28 @@ def measure_read(backend, nbytes: int = 4 << 20, key: str = "kvzv:probe:bandwidt
             backend.delete(key)
         except Exception:  # noqa: BLE001
             pass
+
+
+def choose_profile(store, backend, shape, tokens: int) -> dict:
+    """The ``auto`` choice for a connector: measure ``store``'s decode throughput per profile and
+    ``backend``'s ranged-read bandwidth, :func:`choose` for a ``tokens``-token prompt of a model of
+    ``shape`` ``(layers, kv_heads, head_dim)``, set ``store.profile`` and return what the
+    connector's ``stats()["profile"]`` reports (the choice, its reason and its measurements). A
+    measurement that fails chooses ``default`` (the fewest bits) and says why."""
+    t0 = time.perf_counter()
+    try:
+        thr = measure_decode(store)
+        bw = measure_read(backend)
+        L, H, d = shape
+        name, reason, est = choose(thr, bandwidth=bw or 1e9, values=2 * L * H * d * int(tokens), layers=L,
+                                   lossless=store.lossless)
+        store.profile = name
+        return {"profile": name, "setting": "auto", "reason": reason,
+                "decode_values_per_s": {k: round(v) for k, v in thr.items()},
+                "read_bytes_per_s": round(bw), "tokens": int(tokens),
+                "estimates": {k: {x: round(y, 4) for x, y in e.items()} for k, e in est.items()},
+                "measure_s": round(time.perf_counter() - t0, 3)}
+    except Exception as e:  # noqa: BLE001 - measuring failed: the fewest bits
+        store.profile = "default"
+        return {"profile": "default", "setting": "auto",
+                "reason": f"measurement failed ({type(e).__name__}: {e}); default"}

@@ -28,18 +28,17 @@ def test_given_model_is_kept():
     assert resolve_model("/some/dir") == "/some/dir"
 
 
-def test_transcoded_store_is_what_a_writer_in_that_profile_stores(tmp_path):
+def test_transcoded_store_is_what_a_writer_in_that_profile_stores(tmp_path, sample_files):
     """``vllm_hit.transcode``: the lossy stores of the hit benchmark are made from the lossless one
     under the same keys; a lookup finds every block, and the decoded KV is within eps of the exact."""
     import numpy as np
-    from conftest import sample_paths
 
     from alignpred import KvzReader, load_cache
     from kvz.benchmarks.vllm_hit import transcode
     from kvz.integrations.kvstore import DirectoryBackend
     from kvz.integrations.vllm.store import BlockStore
 
-    c = load_cache(sample_paths()[0])
+    c = load_cache(sample_files[0])
     ids = [int(x) for x in json.loads(c.metadata["token_ids"])][:256]
     kv = [tuple(np.asarray(c.tensors[f"layers.{i}.{n}"])[..., :256, :].reshape(1, 256, 256) for n in ("key", "value"))
           for i in range(18)]

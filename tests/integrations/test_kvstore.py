@@ -526,13 +526,12 @@ def test_open_blob_refuses_a_record_cut_short(h):
     assert s.open_blob("r2") is None and not s.contains("r2")  # dropped, a miss
 
 
-def test_open_blob_reads_a_real_kvz_layer_by_layer(h, real_bank):
+def test_open_blob_reads_a_real_kvz_layer_by_layer(h, real_bank, sample_files):
     import numpy as np
-    from conftest import sample_paths
 
     from alignpred import KvzReader, compress, load_cache
 
-    blob = compress(load_cache(sample_paths()[0]), None, eps=0.03, bank=real_bank).data
+    blob = compress(load_cache(sample_files[0]), None, eps=0.03, bank=real_bank).data
     s = h.make()
     s.put("kvz", blob)
     want = KvzReader(blob, bank=real_bank).read(tokens=(0, 128))
