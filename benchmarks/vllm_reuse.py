@@ -296,6 +296,11 @@ def _hit_main(a, argv) -> int:
     import platform
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
+    flags = set(next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), []))
+    isa = "+".join(f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags) or "?"
+    cpu = f"{cpu} ({isa})"
+    for r in results:
+        r["cpu"] = cpu
     note = (f"Measured with `{cmd}`: vLLM 0.32 CPU, Gemma 3 270M bf16, block 128, prefix caching off, on a "
             f"{os.cpu_count()}-core {cpu}; engine on core {results[0]['engine_core']}, kvz's loads on "
             f"{results[0]['load_cores']}; {sum(r['seconds'] for r in results):.0f} s in all.")

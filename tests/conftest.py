@@ -75,7 +75,7 @@ def sample_paths():
     return sorted(glob.glob(os.path.join(SAMPLES, "*.safetensors")))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def sample_files():
     """:func:`sample_paths` as a fixture, for tests that run beside another folder's ``conftest``
     (``from conftest import`` then finds whichever was imported last)."""

@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import sample_paths
 
 from alignpred import KvzReader, load_cache
 from kvz.integrations.kvstore import DirectoryBackend, RedisBackend
@@ -23,8 +22,8 @@ N_BLOCKS = 3  # of the sample's 448 tokens
 
 
 @pytest.fixture(scope="module")
-def sample():
-    c = load_cache(sample_paths()[0])
+def sample(sample_files):
+    c = load_cache(sample_files[0])
     ids = [int(x) for x in json.loads(c.metadata["token_ids"])][:N_BLOCKS * BS]
     kv = [(np.asarray(c.tensors[f"layers.{i}.key"])[..., :N_BLOCKS * BS, :],
            np.asarray(c.tensors[f"layers.{i}.value"])[..., :N_BLOCKS * BS, :]) for i in range(18)]
