@@ -14,7 +14,8 @@ The public API (what a serving loader calls)::
 The pipeline, one sub-package per stage (imports only point down this list):
 
 * :mod:`alignpred.errors`, :mod:`alignpred.io` (the only module that opens files),
-  :mod:`alignpred.threads` (kvz's own worker pools) — the base;
+  :mod:`alignpred.threads` (kvz's own worker pools), :mod:`alignpred.metrics` (:func:`nrmse`,
+  the error measure eps bounds) — the base;
 * :mod:`alignpred.kernels` — compiled kernels, each next to the numpy reference it must equal;
 * :mod:`alignpred.entropy` — static probability models apart from the rANS coders;
 * :mod:`alignpred.cache` — what a cache is: layout, metadata, safetensors, RoPE;
@@ -54,6 +55,7 @@ _EXPORTS = {
     "warmup": "alignpred.format.warmup",
     "atomic_write": "alignpred.io",
     "atomic_file": "alignpred.io",
+    "nrmse": "alignpred.metrics",
 }
 _ERRORS = ("KvzError", "KvzWarning", "FormatError", "TruncatedError", "ChecksumError", "UnsupportedVersionError",
            "BankMismatchError", "LayoutError", "MetadataError", "NonFiniteError", "EncodeError", "OutputExistsError")
@@ -104,3 +106,4 @@ if TYPE_CHECKING:  # static checkers see the eager imports
     from alignpred.format.warmup import warmup
     from alignpred.format.writer import CompressInfo, compress, compress_bytes
     from alignpred.io import atomic_file, atomic_write
+    from alignpred.metrics import nrmse

@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from alignpred import nrmse
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
 NAMES = ("english-prose", "german-prose", "python-code")
@@ -38,21 +40,15 @@ T = 256
 STARTS = (0, 192)
 
 
-def _nrmse(a, b) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(a * a)))
-
-
 def _worst(ref, got) -> float:
     """Worst per-tensor (layer, K/V) NRMSE of [2, L, T, HD] torch tensors."""
     r, g = ref.float().numpy(), got.float().numpy()
-    return max(_nrmse(r[j, i], g[j, i]) for j in range(2) for i in range(r.shape[1]))
+    return max(nrmse(r[j, i], g[j, i]) for j in range(2) for i in range(r.shape[1]))
 
 
 def _tensor_nrmses(ref, got) -> dict:
     r, g = ref.float().numpy(), got.float().numpy()
-    return {f"layers.{i}.{'key' if j == 0 else 'value'}": _nrmse(r[j, i], g[j, i])
+    return {f"layers.{i}.{'key' if j == 0 else 'value'}": nrmse(r[j, i], g[j, i])
             for j in range(2) for i in range(r.shape[1])}
 
 
@@ -289,8 +285,8 @@ def sglang_rows(reps: int):
                     exact &= bool(torch.equal(have.view(torch.int16), flat[i].view(torch.int16)))
                     for (kw, vw), (kh, vh) in zip(page_to_pairs(flat[i], layout, 18, P, 1, 256),
                                                   page_to_pairs(have, layout, 18, P, 1, 256)):
-                        worst = max(worst, _nrmse(kw.astype(np.float32), kh.astype(np.float32)),
-                                    _nrmse(vw.astype(np.float32), vh.astype(np.float32)))
+                        worst = max(worst, nrmse(kw.astype(np.float32), kh.astype(np.float32)),
+                                    nrmse(vw.astype(np.float32), vh.astype(np.float32)))
                 nval = x.numel()
                 rows.append({"engine": "sglang", "path": f"hicache-v1/{layout}", "method": "kvz-lossless" if lossless
                              else "kvz-eps0.0267", "chunk": f"{name}@0", "tokens": T, "values": nval, "bytes": nbytes,

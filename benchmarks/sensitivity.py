@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from alignpred import nrmse
 from kvz.benchmarks import quality as Q
 from kvz.benchmarks import rate_quality as R
 
@@ -74,11 +75,6 @@ def _names(n_layers: int) -> list[str]:
 def _white(x: np.ndarray, eps: float, rng) -> np.ndarray:
     z = rng.standard_normal(x.shape)
     return (z * (eps * np.linalg.norm(x.astype(np.float64)) / np.linalg.norm(z))).astype(np.float32)
-
-
-def _nrmse(e: np.ndarray, x: np.ndarray) -> float:
-    n = float(np.linalg.norm(np.asarray(x, dtype=np.float64)))
-    return float(np.linalg.norm(np.asarray(e, dtype=np.float64))) / n if n > 0 else 0.0
 
 
 def _kvz_error(kv: Q.KV, bank, eps: float, scope: str = "tensor", **kw) -> tuple[dict, dict]:
@@ -166,7 +162,7 @@ def measure(model, tokenizer, bank, *, docs=None, per_doc: int = 2, context: int
             if "white" in modes and (white_prompts is None or wi < white_prompts):
                 errs["white"] = {k: _white(fp32[k], eps, rng) for k in names}
             for mode, err in errs.items():
-                P["nrmse"][mode] = {k: _nrmse(err[k], kv[k]) for k in names}
+                P["nrmse"][mode] = {k: nrmse(kv[k], np.asarray(kv[k], np.float64) + err[k]) for k in names}
                 P["single"][mode] = {}
                 t0 = time.perf_counter()
                 for k in names:
@@ -181,7 +177,7 @@ def measure(model, tokenizer, bank, *, docs=None, per_doc: int = 2, context: int
                     for f in (0.5, 2.0):
                         e = {k: v * f for k, v in errs["white"].items()}
                         P["checks"][f"white x{f:g}"] = {"kl": kl_of(ref, fp32, e),
-                                                        "nrmse": {k: _nrmse(e[k], kv[k]) for k in names}}
+                                                        "nrmse": {k: nrmse(kv[k], np.asarray(kv[k], np.float64) + e[k]) for k in names}}
                 oos = {"kvz pooled nocap eps": dict(scope="pooled", tensor_cap=0.0),
                        "kvz pooled cap3 eps": dict(scope="pooled", tensor_cap=3.0),
                        "kvz tensor 2eps": dict(scope="tensor", _eps=2 * eps),
@@ -190,10 +186,10 @@ def measure(model, tokenizer, bank, *, docs=None, per_doc: int = 2, context: int
                     e_ = kw.pop("_eps", eps)
                     err, info = _kvz_error(kv, bank, e_, **kw)
                     P["checks"][label] = {"kl": kl_of(ref, fp32, err), "bpv": info.get("bpv"), "eps": e_,
-                                          "nrmse": {k: _nrmse(err[k], kv[k]) for k in names}}
+                                          "nrmse": {k: nrmse(kv[k], np.asarray(kv[k], np.float64) + err[k]) for k in names}}
                 err = _fp8_error(kv)
                 P["checks"]["fp8 e4m3"] = {"kl": kl_of(ref, fp32, err), "bpv": 8.0,
-                                           "nrmse": {k: _nrmse(err[k], kv[k]) for k in names}}
+                                           "nrmse": {k: nrmse(kv[k], np.asarray(kv[k], np.float64) + err[k]) for k in names}}
                 log(f"prompt {wi + 1}: checks " + ", ".join(f"{k} {v['kl']:.2e}" for k, v in P["checks"].items()))
             if positions:
                 T = context

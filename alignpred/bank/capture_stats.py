@@ -56,7 +56,8 @@ _SHA = len("sha256:") + 64
 
 def tokens_digest(token_ids) -> str:
     """``sha256:<hex>`` of a prefill's token ids (their compact JSON list): what ties a record to
-    its cache."""
+    its cache. (A stored chunk's token check is another digest:
+    ``kvz.integrations.chunkstore.chunk_tokens_digest``.)"""
     ids = [int(t) for t in token_ids]
     return "sha256:" + hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode("ascii")).hexdigest()
 

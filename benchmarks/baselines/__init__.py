@@ -18,7 +18,6 @@ from ._core import (
     cast_back,
     error_stats,
     n_values,
-    nrmse,
     run_codec,
     search_continuous,
     search_discrete,
@@ -57,5 +56,5 @@ def get(name: str) -> TensorCodec:
 
 
 __all__ = ["ALLOCS", "BASELINES", "Baseline", "Encoded", "REQUIRES", "Result", "TensorCodec", "available",
-           "cast_back", "error_stats", "get", "n_values", "nrmse", "run_codec", "search_continuous",
+           "cast_back", "error_stats", "get", "n_values", "run_codec", "search_continuous",
            "search_discrete"]

@@ -63,12 +63,6 @@ def sq_norm(x: np.ndarray) -> float:
     return float(np.einsum("i,i->", v, v))
 
 
-def nrmse(x: np.ndarray, x_hat: np.ndarray) -> float:
-    n = sq_norm(x)
-    e = sq_err(x, x_hat)
-    return math.sqrt(e / n) if n > 0 else (0.0 if e == 0 else math.inf)
-
-
 def error_stats(cache: dict[str, np.ndarray], recon: dict[str, np.ndarray]) -> tuple[float, float, dict[str, float]]:
     """(pooled NRMSE, max per-tensor NRMSE, per-tensor NRMSE) of ``recon`` against ``cache``."""
     tot_e = tot_n = 0.0

@@ -129,12 +129,6 @@ class LMCacheCodec:
             return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(x)
 
-    def _to_numpy(self, t, like: np.ndarray) -> np.ndarray:
-        torch = self.torch
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(like.dtype).reshape(like.shape)
-        return t.numpy().reshape(like.shape)
-
     def encode(self, threads: int):
         c = self.codec
 
@@ -146,13 +140,16 @@ class LMCacheCodec:
         return self.blobs
 
     def decode(self, threads: int) -> dict:
+        from alignpred.cache import as_numpy
+
         torch = self.torch
         c = self.codec
+        shape = {n: x.shape for n, x in self.tensors.items()}
 
         def one(arg):
             (i, kn, vn), blob = arg
             k, v, _ = c.decode(c.from_bytes(blob), out_v_dtype=torch.bfloat16)
-            return (kn, self._to_numpy(k, self.tensors[kn])), (vn, self._to_numpy(v, self.tensors[vn]))
+            return (kn, as_numpy(k).reshape(shape[kn])), (vn, as_numpy(v).reshape(shape[vn]))
 
         out = {}
         for (kn, k), (vn, v) in pmap(threads, one, list(zip(self.layers, self.blobs))):

@@ -35,14 +35,15 @@ from kvz.integrations.chunkstore.keys import (
     CHUNK_TOKENS,
     TOKENS_META,
     Chunk,
+    chunk_tokens_digest,
     separator_boundaries,
     split_chunks,
-    tokens_digest,
 )
 from kvz.integrations.chunkstore.repair import REPAIRS
 from kvz.integrations.chunkstore.serde import DEFAULT_EPS, KvzSerde, RawSerde
 from kvz.integrations.chunkstore.store import ChunkStore, ChunkStoreWarning, Hit
 
-__all__ = ["TOKENS_META", "ChunkStore", "ReuseEngine", "Chunk", "Hit", "PrefillResult", "split_chunks", "tokens_digest",
-           "ChunkStoreWarning", "CHUNK_TOKENS", "DEFAULT_EPS", "KvzSerde", "RawSerde", "separator_boundaries",
+__all__ = ["TOKENS_META", "ChunkStore", "ReuseEngine", "Chunk", "Hit", "PrefillResult", "split_chunks",
+           "chunk_tokens_digest", "ChunkStoreWarning", "CHUNK_TOKENS", "DEFAULT_EPS", "KvzSerde", "RawSerde",
+           "separator_boundaries",
            "REPAIRS", "DEFAULT_REPAIR", "DEFAULT_R", "DEFAULT_THRESHOLD", "DEFAULT_MAX_FRAC", "DEFAULT_PROBE_LAYER"]

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvz.integrations.chunkstore.keys import TOKENS_META, separator_boundaries, tokens_digest
+from kvz.integrations.chunkstore.keys import TOKENS_META, chunk_tokens_digest, separator_boundaries
 from kvz.integrations.chunkstore.repair import REPAIRS, blend_select, guided_select, probe_deviation, seam_mask
 from kvz.integrations.chunkstore.store import ChunkStore, ChunkStoreWarning
 
@@ -229,7 +229,7 @@ class ReuseEngine:
                 a, b = h.chunk.start, h.chunk.end
                 try:
                     meta = self.store.decode_into(h, lambda i, a=a, b=b: (K[i][0, :, a:b], V[i][0, :, a:b]))
-                    if meta.get(TOKENS_META) != tokens_digest(ids[a:b]):
+                    if meta.get(TOKENS_META) != chunk_tokens_digest(ids[a:b]):
                         raise ValueError("stored token ids differ from the chunk's")
                 except Exception as e:  # noqa: BLE001 - a bad entry is a miss, never a failed request
                     warnings.warn(ChunkStoreWarning(f"chunk {h.key[:20]}… unusable ({type(e).__name__}: {e}); "

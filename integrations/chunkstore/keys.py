@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["CHUNK_TOKENS", "KEY_SCHEME", "TOKENS_META", "Chunk", "split_chunks", "separator_boundaries",
-           "tokens_digest", "binding_digest", "chunk_keys"]
+           "chunk_tokens_digest", "binding_digest", "chunk_keys"]
 
 CHUNK_TOKENS = 256
 KEY_SCHEME = "kvz-chunk/1"
@@ -87,8 +87,10 @@ def _ids_bytes(ids) -> bytes:
     return np.asarray(ids, dtype="<u4").tobytes()
 
 
-def tokens_digest(ids) -> str:
-    """sha256 (hex) of token ids as little-endian uint32: what a stored chunk's metadata records."""
+def chunk_tokens_digest(ids) -> str:
+    """sha256 (hex) of token ids as little-endian uint32: what a stored chunk's metadata records
+    (``TOKENS_META``). Not :func:`alignpred.bank.tokens_digest`, the ``sha256:`` of their JSON list
+    that ties a capture-stats record to its cache."""
     return hashlib.sha256(_ids_bytes([int(t) for t in ids])).hexdigest()
 
 

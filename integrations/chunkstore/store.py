@@ -24,7 +24,7 @@ from kvz.integrations.chunkstore.keys import (
     Chunk,
     binding_digest,
     chunk_keys,
-    tokens_digest,
+    chunk_tokens_digest,
 )
 from kvz.integrations.chunkstore.serde import DEFAULT_EPS, KvzSerde, RawSerde
 
@@ -159,7 +159,7 @@ class ChunkStore:
         (prefix key + content pointer if ``exact``, else under the content key). Returns bytes stored."""
         meta = {"model": self.model_id, "layer_types": self.layer_types, "keys_roped": True,
                 "rope": self.rope.to_json(), "position_offset": int(chunk.start),
-                TOKENS_META: tokens_digest(token_ids)}
+                TOKENS_META: chunk_tokens_digest(token_ids)}
         blob = self.codec.encode(kv, meta)
         m = {"start": int(chunk.start), "n": chunk.n, "exact": bool(exact)}
         if exact:

@@ -7,7 +7,7 @@
 * :mod:`~kvz.integrations.hf.rope` — the RoPE a model applies, as a kvz ``RopeSpec``
   (:func:`rope_spec_from_model`);
 * :mod:`~kvz.integrations.hf.bridge` — a model's KV to ``.kvz`` and back into a cache ``generate``
-  continues from (:func:`capture_prefill`, :func:`save_kv`, :func:`load_cache`, :func:`build_cache`);
+  continues from (:func:`capture_prefill`, :func:`save_kv`, :func:`load_kvz_cache`, :func:`build_cache`);
 * :mod:`~kvz.integrations.hf.caches` — the ``DynamicCache`` subclasses (recording, scatter, buffered).
 
 Other packages import these names from here (``from kvz.integrations.hf import kv_shape``).
@@ -19,7 +19,7 @@ from __future__ import annotations
 from kvz.integrations import lazy_exports
 
 _MODULES = {
-    "bridge": ("RecordingCache", "capture_prefill", "save_kv", "load_cache", "cache_from_kv", "new_cache",
+    "bridge": ("RecordingCache", "capture_prefill", "save_kv", "load_kvz_cache", "cache_from_kv", "new_cache",
                "kv_metadata", "model_id_of", "kv_shape", "cache_kwarg", "text_config", "build_cache",
                "forward_logits", "last_kv"),
     "caches": ("recording_cache_cls", "ScatterCache", "BufferedCache"),
@@ -36,7 +36,17 @@ _EXPORTS["capture_gemma"] = ("kvz.integrations.hf.gemma", "capture")
 __all__ = list(_EXPORTS)
 
 
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+_lazy = lazy_exports(__name__, _EXPORTS)
+
+
+def __getattr__(name: str):
+    if name == "load_cache":  # the old name of load_kvz_cache (alignpred.load_cache is another function)
+        import warnings
+
+        warnings.warn("kvz.integrations.hf.load_cache is deprecated: use load_kvz_cache (.kvz -> transformers "
+                      "cache); alignpred.load_cache reads a safetensors capture", DeprecationWarning, stacklevel=2)
+        return _lazy("load_kvz_cache")
+    return _lazy(name)
 
 
 def __dir__():

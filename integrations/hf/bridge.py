@@ -2,10 +2,10 @@
 
 ::
 
-    from kvz.integrations.hf.bridge import capture_prefill, save_kv, load_cache
+    from kvz.integrations.hf.bridge import capture_prefill, save_kv, load_kvz_cache
     logits, cache, full_kv = capture_prefill(model, ids[:-1])          # full K/V of every layer
     save_kv(full_kv, "p.kvz", model=model, eps=0.02, bank="gemma-3-270m", token_ids=ids[:-1])
-    out = model.generate(torch.tensor([ids]), past_key_values=load_cache("p.kvz", model), max_new_tokens=32)
+    out = model.generate(torch.tensor([ids]), past_key_values=load_kvz_cache("p.kvz", model), max_new_tokens=32)
 
 * :func:`capture_prefill` runs the model over ``input_ids`` with a :class:`RecordingCache` (a
   ``DynamicCache`` that also keeps every K/V handed to ``update``), so ``full_kv`` holds *all*
@@ -15,7 +15,7 @@
   model id, layer types, ``keys_roped``, the model's exact RoPE
   (:func:`~kvz.integrations.hf.rope.rope_spec_from_model`),
   ``position_offset`` and the token ids.
-* :func:`load_cache` builds a ``DynamicCache`` from the model config and fills it layer by layer
+* :func:`load_kvz_cache` builds a ``DynamicCache`` from the model config and fills it layer by layer
   from :meth:`alignpred.KvzReader.layers` (decoded straight into preallocated tensors) through each
   layer's own ``update()``, so sliding layers keep exactly the window a real prefill keeps. The
   file's RoPE must be the model's (checked), and its first position must be 0 (a cache for
@@ -31,7 +31,7 @@ import os
 
 import numpy as np
 
-__all__ = ["RecordingCache", "capture_prefill", "save_kv", "load_cache", "cache_from_kv", "new_cache",
+__all__ = ["RecordingCache", "capture_prefill", "save_kv", "load_kvz_cache", "cache_from_kv", "new_cache",
            "kv_metadata", "model_id_of", "kv_shape", "cache_kwarg", "text_config", "build_cache", "forward_logits",
            "last_kv"]
 
@@ -254,10 +254,12 @@ def _check_shape(lay, model, where: str) -> None:
                        f"the model needs {n} x {h} x {d}")
 
 
-def load_cache(src, model, tokens=None, *, bank=None, session=None, cache=None, check_rope: bool = True):
+def load_kvz_cache(src, model, tokens=None, *, bank=None, session=None, cache=None, check_rope: bool = True):
     """A transformers ``DynamicCache`` holding the K/V of ``src`` (a ``.kvz`` path, bytes, or a
     :class:`alignpred.KvzReader`) for positions ``tokens=(a, b)`` (default all), ready for
-    ``model.generate`` / a forward pass to continue from.
+    ``model.generate`` / a forward pass to continue from. (Not :func:`alignpred.load_cache`, which
+    reads a safetensors capture into an :class:`alignpred.Cache`; the old name ``load_cache`` still
+    imports from :mod:`kvz.integrations.hf`, with a ``DeprecationWarning``.)
 
     The cache is built from the model config and filled layer by layer: each layer is decoded
     straight into a preallocated tensor of the model's dtype and handed to that layer's

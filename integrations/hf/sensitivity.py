@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from alignpred import nrmse
+
 __all__ = ["measure_sensitivity", "write_sensitivity", "DEFAULT_CONTEXT", "DEFAULT_SCORE_TOKENS"]
 
 DEFAULT_CONTEXT = 256
@@ -61,11 +63,6 @@ def _codec_error(tensors32: dict, meta: dict, bank, eps: float) -> tuple[dict, d
     return {k: rec[k] - base[k] for k in base}, base, float(info.bpv)
 
 
-def _nrmse(e: np.ndarray, x: np.ndarray) -> float:
-    n = float(np.linalg.norm(x.astype(np.float64)))
-    return float(np.linalg.norm(e.astype(np.float64))) / n if n > 0 else 0.0
-
-
 def measure_sensitivity(model, windows: Sequence[tuple[str, Sequence[int]]], bank, *, model_id: str,
                         eps: float = 0.0267, context: int = DEFAULT_CONTEXT, score_tokens: int = DEFAULT_SCORE_TOKENS,
                         progress: Callable[[int], None] | None = None) -> dict:
@@ -97,7 +94,7 @@ def measure_sensitivity(model, windows: Sequence[tuple[str, Sequence[int]]], ban
         for name in sorted(fp32, key=lambda n: (int(n.split(".")[1]), n.split(".")[2] != "key")):
             kls[name] = _kl(ref, _log_probs(model, {**fp32, name: fp32[name] + err[name]}, feed, context))
             per_kl.setdefault(name, []).append(kls[name])
-            per_n2.setdefault(name, []).append(_nrmse(err[name], base[name]) ** 2)
+            per_n2.setdefault(name, []).append(nrmse(base[name], base[name].astype(np.float64) + err[name]) ** 2)
             if progress:
                 progress(1)
         all_kl = _kl(ref, _log_probs(model, {k: v + err[k] for k, v in fp32.items()}, feed, context))

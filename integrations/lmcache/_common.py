@@ -8,7 +8,9 @@ import warnings
 
 import numpy as np
 
-from .kvcodec import KvzChunkCodec, as_bool, as_numpy, backend_from_url
+from alignpred.cache import as_numpy
+
+from .kvcodec import KvzChunkCodec, as_bool, backend_from_url
 
 
 class KvzLMCacheWarning(RuntimeWarning):

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["KvzChunkCodec", "as_bool", "as_numpy", "backend_from_url", "codec_from_options", "metadata_from_file",
-           "model_metadata", "MODEL_FIELDS", "nrmse"]
+__all__ = ["KvzChunkCodec", "as_bool", "backend_from_url", "codec_from_options", "metadata_from_file",
+           "model_metadata", "MODEL_FIELDS"]
 
 # The cache metadata fields that describe the model (not one cache): what an adapter configures once.
 MODEL_FIELDS = ("model", "layer_types", "rope_theta", "rope_pairing", "keys_roped", "rope", "rotary_dim",
@@ -56,23 +56,6 @@ def as_bool(v) -> bool:
     return v.strip().lower() in ("1", "true", "yes", "on") if isinstance(v, str) else bool(v)
 
 
-def as_numpy(x) -> np.ndarray:
-    """A numpy view of a numpy array or CPU torch tensor (bfloat16 through its int16 bits)."""
-    if isinstance(x, np.ndarray):
-        return x
-    if type(x).__module__.split(".")[0] == "torch":
-        t = x.detach()
-        if t.device.type != "cpu":
-            raise ValueError(f"tensor is on {t.device}; copy it to the CPU first")
-        if str(t.dtype) == "torch.bfloat16":
-            import ml_dtypes
-            import torch
-
-            return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
-    return np.asarray(x)
-
-
 def backend_from_url(url: str, budget_bytes: int | None = None):
     """A kvz chunk-store backend for ``redis://host:port/db`` (also ``rediss://``, ``unix://``) or a
     directory (``file:///path`` or a plain path)."""
@@ -83,14 +66,6 @@ def backend_from_url(url: str, budget_bytes: int | None = None):
     if url.startswith("file://"):
         url = url[len("file://"):]
     return DirectoryBackend(url, budget_bytes=budget_bytes)
-
-
-def nrmse(ref, got) -> float:
-    """Normalised RMS error ``||got - ref|| / ||ref||`` (kvz's tensor error measure)."""
-    r = np.asarray(ref, np.float64)
-    g = np.asarray(got, np.float64)
-    den = float(np.sqrt(np.mean(r * r)))
-    return float(np.sqrt(np.mean((g - r) ** 2))) / den if den > 0 else float(np.sqrt(np.mean(g * g)))
 
 
 @dataclass
@@ -137,6 +112,8 @@ class KvzChunkCodec:
     # ------------------------------------------------------------------ encode
     def tensors(self, pairs) -> dict:
         """``{"layers.{i}.key"/"value": array}`` from ``[(k, v), ...]`` (numpy or CPU torch)."""
+        from alignpred.cache import as_numpy
+
         out = {}
         for i, (k, v) in enumerate(pairs):
             out[f"layers.{i}.key"] = np.ascontiguousarray(as_numpy(k))

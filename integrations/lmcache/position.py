@@ -79,7 +79,7 @@ def rope_spec_of(metadata: dict, num_layers: int, head_dim: int):
 
 
 def _keys(tensors) -> list:
-    from .kvcodec import as_numpy
+    from alignpred.cache import as_numpy
 
     if isinstance(tensors, dict):
         n = sum(1 for k in tensors if k.endswith(".key"))

@@ -96,15 +96,6 @@ def pairs_to_page(pairs, layout: str, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _np_view(t: torch.Tensor) -> np.ndarray:
-    """A writable numpy view of a contiguous CPU tensor (bfloat16 through its bits)."""
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
 # ---------------------------------------------------------------------------- the backend
 class KvzHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config, kwargs=None, backend=None):
@@ -200,7 +191,7 @@ class KvzHiCacheStorage(HiCacheStorage):
                 raise ValueError(f"stored page is {len(pairs)} x {tuple(pairs[0][0].shape)}, the pool's is "
                                  f"{L} x {(H, P, D)}")
             stage = torch.empty(out.numel(), dtype=out.dtype)
-            pairs_to_page(pairs, layout, _np_view(stage))
+            pairs_to_page(pairs, layout, as_numpy(stage, writable=True))
             out.view(-1).copy_(stage)
         except Exception as e:
             _warn(f"kvz HiCache: page {key[:40]} is corrupt or foreign ({type(e).__name__}: {e}); deleted, a miss")

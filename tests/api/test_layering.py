@@ -3,7 +3,7 @@
 
 Public means: a name of ``alignpred`` itself, or a name in the ``__all__`` of one of its
 sub-packages (``alignpred.cache``, ``.bank``, ``.codec``, ``.entropy``, ``.kernels``, ``.format``),
-or of the leaf modules ``alignpred.io``, ``alignpred.threads``, ``alignpred.errors``; never a
+or of the leaf modules ``alignpred.io``, ``alignpred.threads``, ``alignpred.errors``, ``alignpred.metrics``; never a
 module inside a sub-package, never a name starting with ``_``. Between integrations packages the
 same holds one level down: ``kvz.integrations.chunkstore`` is public, ``...chunkstore.core`` is
 not (the transformers adapter ``kvz.integrations.hf`` is a package of public modules)."""
@@ -19,11 +19,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # alignpred's layers, lowest first: a module may import its own layer and the ones below it.
-LAYERS = [("errors", "_version", "io", "threads"), ("kernels",), ("entropy",), ("cache",), ("bank",), ("codec",),
+LAYERS = [("errors", "_version", "io", "threads", "metrics"), ("kernels",), ("entropy",), ("cache",), ("bank",), ("codec",),
           ("format",)]
 RANK = {name: i for i, group in enumerate(LAYERS) for name in group}
 PUBLIC_PACKAGES = ("cache", "bank", "codec", "entropy", "kernels", "format")
-PUBLIC_LEAVES = ("io", "threads", "errors")
+PUBLIC_LEAVES = ("io", "threads", "errors", "metrics")
 
 
 def _py_files(folder: str):

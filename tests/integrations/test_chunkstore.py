@@ -25,8 +25,8 @@ from kvz.integrations.chunkstore import (
     ChunkStoreWarning,
     KvzSerde,
     RawSerde,
+    chunk_tokens_digest,
     split_chunks,
-    tokens_digest,
 )
 from kvz.integrations.kvstore import DirectoryBackend, RedisBackend, StoreWarning
 from kvz.integrations.kvstore.server import redis_server_fixture
@@ -147,7 +147,7 @@ def test_put_lookup_decode(tmp_path, codec):
         want = _synth_kv(h.chunk)
         got = [(np.zeros_like(k), np.zeros_like(v)) for k, v in want]
         meta = st.decode_into(h, lambda i: got[i])
-        assert meta[TOKENS_META] == tokens_digest(ids[h.chunk.start:h.chunk.end])
+        assert meta[TOKENS_META] == chunk_tokens_digest(ids[h.chunk.start:h.chunk.end])
         for (k, v), (gk, gv) in zip(want, got):
             if codec == "raw":
                 assert np.array_equal(k, gk) and np.array_equal(v, gv)

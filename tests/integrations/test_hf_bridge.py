@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from alignpred import Cache, KvzError, KvzReader, fit_bank  # noqa: E402
-from kvz.integrations.hf.bridge import cache_from_kv, cache_kwarg, capture_prefill, kv_metadata, load_cache, save_kv  # noqa: E402
+from kvz.integrations.hf.bridge import cache_from_kv, cache_kwarg, capture_prefill, kv_metadata, load_kvz_cache, save_kv  # noqa: E402
 
 WINDOW = 24
 
@@ -97,7 +97,7 @@ def test_save_load_generate_matches_hand_injection(tiny, tiny_bank, tmp_path):
     assert r.layout.keys_roped and r.layout.rope is not None  # the model's exact RoPE, in the layout
     assert r.layout.layer_types == ("sliding_attention", "full_attention") * 2
     # the decoded cache vs the same decoded values injected by hand
-    cache = load_cache(path, tiny, bank=tiny_bank)
+    cache = load_kvz_cache(path, tiny, bank=tiny_bank)
     dec = r.read()
     hand = transformers.DynamicCache(config=tiny.config)
     for i in range(4):
@@ -112,7 +112,7 @@ def test_save_load_generate_matches_hand_injection(tiny, tiny_bank, tmp_path):
     # and model.generate continues from the loaded cache
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = tiny.generate(torch.tensor([ids]), past_key_values=load_cache(path, tiny, bank=tiny_bank),
+        out = tiny.generate(torch.tensor([ids]), past_key_values=load_kvz_cache(path, tiny, bank=tiny_bank),
                             max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert out[0, len(ids):].tolist() == t1
     # close to the uncompressed continuation's logits
@@ -125,17 +125,17 @@ def test_load_cache_token_range_and_checks(tiny, tiny_bank, tmp_path):
     _, _, kv = capture_prefill(tiny, ids)
     path = tmp_path / "c.kvz"
     save_kv(kv, path, model=tiny, eps=0.01, bank=tiny_bank)
-    c = load_cache(path, tiny, tokens=(0, 40), bank=tiny_bank)
+    c = load_kvz_cache(path, tiny, tokens=(0, 40), bank=tiny_bank)
     assert c.get_seq_length() == 40
     with pytest.raises(KvzError, match="cannot start a cache"):
-        load_cache(path, tiny, tokens=(10, 40), bank=tiny_bank)
+        load_kvz_cache(path, tiny, tokens=(10, 40), bank=tiny_bank)
     off = tmp_path / "off.kvz"
     save_kv(kv, off, model=tiny, eps=0.01, bank=tiny_bank, position_offset=100)
     with pytest.raises(KvzError, match="cannot start a cache"):
-        load_cache(off, tiny, bank=tiny_bank)
+        load_kvz_cache(off, tiny, bank=tiny_bank)
     other = tiny_gemma(layers=2)
     with pytest.raises(KvzError, match="layers"):
-        load_cache(path, other, bank=tiny_bank)
+        load_kvz_cache(path, other, bank=tiny_bank)
 
 
 def test_load_cache_rejects_other_rope(tiny, tiny_bank, tmp_path):
@@ -149,7 +149,7 @@ def test_load_cache_rejects_other_rope(tiny, tiny_bank, tmp_path):
     other = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{k: v for k, v in cfg.items()
                                                                             if k not in ("architectures",)})).eval()
     with pytest.raises(KvzError, match="another RoPE"):
-        load_cache(path, other, bank=tiny_bank)
+        load_kvz_cache(path, other, bank=tiny_bank)
 
 
 # --------------------------------------------------------------------------- real model
@@ -157,7 +157,7 @@ def test_load_cache_rejects_other_rope(tiny, tiny_bank, tmp_path):
 @pytest.mark.slow
 @pytest.mark.model
 def test_gemma_generate_from_decoded_cache(gemma, tmp_path):
-    """600 positions (past the 512 window): generation from load_cache equals generation from the same
+    """600 positions (past the 512 window): generation from load_kvz_cache equals generation from the same
     decoded values injected by hand (tokens and logits bit for bit), and stays close to the model's own."""
     model, tok = gemma
     from pathlib import Path
@@ -168,7 +168,7 @@ def test_gemma_generate_from_decoded_cache(gemma, tmp_path):
     path = tmp_path / "g.kvz"
     info = save_kv(kv, path, model=model, eps=0.02, bank="gemma-3-270m", token_ids=ids[:-1], model_id="gemma-3-270m")
     assert info.bpv < 6
-    cache = load_cache(path, model)
+    cache = load_kvz_cache(path, model)
     assert cache.layers[0].keys.shape[-2] == 511 and cache.layers[5].keys.shape[-2] == 600
     dec = KvzReader(path).read()
     hand = cache_from_kv(model, dec)
@@ -198,7 +198,7 @@ def test_a_generate_cache_saves_in_one_call_and_continues_identically(tiny, tiny
     save_kv(dc, p, model=tiny, eps=0.05, bank=tiny_bank, lossless=True)
     r = KvzReader(p, bank=tiny_bank)
     assert r.layout.n_tokens == max(lens) == len(seq) - 1
-    got, _ = _greedy(tiny, load_cache(p, tiny, bank=tiny_bank), seq, 8)
+    got, _ = _greedy(tiny, load_kvz_cache(p, tiny, bank=tiny_bank), seq, 8)
     assert got == ref
     legacy = [(layer.keys, layer.values) for layer in dc.layers]      # the same as legacy tuples
     assert len(save_kv(legacy, None, model=tiny, eps=0.05, bank=tiny_bank).data) > 0

@@ -1,6 +1,6 @@
 """Issue 16's acceptance on the real Gemma 3 270M: the cache ``model.generate`` returns after more than
 1,000 positions (the sliding layers full: they keep 511, the full layers every position) is saved in one
-``save_kv`` call and loaded back with ``load_cache(path, model)``; generation continued from a lossless
+``save_kv`` call and loaded back with ``load_kvz_cache(path, model)``; generation continued from a lossless
 file gives the same greedy tokens as from the original cache, and a lossy file gives the same KL as the
 command-line round trip (``kvz decompress`` the lossless file to safetensors, ``kvz compress`` and
 ``kvz decompress`` it) of the same cache. No transformers deprecation warning on the way."""
@@ -14,9 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from alignpred import KvzReader  # noqa: E402
-from alignpred import load_cache as load_cache_file  # noqa: E402
-from kvz.integrations.hf import cache_from_kv, cache_kwarg, load_cache, save_kv  # noqa: E402
+from alignpred import KvzReader, load_cache  # noqa: E402
+from kvz.integrations.hf import cache_from_kv, cache_kwarg, load_kvz_cache, save_kv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT, NEW, CONT = 1000, 8, 16  # prompt tokens, tokens generate adds, tokens continued from each cache
@@ -68,7 +67,7 @@ def test_a_generated_cache_saved_in_one_call_continues_like_the_original(gemma, 
         exact = tmp_path / "exact.kvz"
         save_kv(dc, exact, model=model, eps=0.02, bank="gemma-3-270m", lossless=True)
         assert KvzReader(exact).layout.n_tokens == len(seq) - 1
-        assert _continue(model, load_cache(exact, model), seq, CONT) == ref_tokens
+        assert _continue(model, load_kvz_cache(exact, model), seq, CONT) == ref_tokens
 
         lossy = tmp_path / "lossy.kvz"
         save_kv(dc, lossy, model=model, eps=0.02, bank="gemma-3-270m")
@@ -77,13 +76,13 @@ def test_a_generated_cache_saved_in_one_call_continues_like_the_original(gemma, 
         _kvz("compress", tmp_path / "cache.safetensors", "--eps", "0.02", "--bank", "gemma-3-270m",
              "-o", tmp_path / "cli.kvz")
         _kvz("decompress", tmp_path / "cli.kvz", "-o", tmp_path / "cli.safetensors")
-        cli = load_cache_file(tmp_path / "cli.safetensors").tensors
+        cli = load_cache(tmp_path / "cli.safetensors").tensors
 
         path = seq[-1:] + ref_tokens[:-1]                     # teacher-forced along the original continuation
         ref = _logprobs(model, ref_cache, path)
-        kl_api = _kl(ref, _logprobs(model, load_cache(lossy, model), path))
+        kl_api = _kl(ref, _logprobs(model, load_kvz_cache(lossy, model), path))
         kl_cli = _kl(ref, _logprobs(model, cache_from_kv(model, dict(cli)), path))
-    print(f"lossy file: KL {kl_api:.3e} (save_kv + load_cache), {kl_cli:.3e} (CLI round trip)")
+    print(f"lossy file: KL {kl_api:.3e} (save_kv + load_kvz_cache), {kl_cli:.3e} (CLI round trip)")
     assert 0 < kl_api < 2e-2  # 4.3e-3 measured (eps 0.02, the float32 cache of 1,007 positions)
     assert kl_api == pytest.approx(kl_cli, rel=1e-6, abs=1e-12)
     # transformers renamed generate's/forward's past_key_values= to cache= (a FutureWarning naming it)
