@@ -1,9 +1,10 @@
 """Storage layer of the KV chunk store: byte blobs under string keys, verified, with a byte budget.
 
-Two backends with one interface (:class:`ChunkBackend`)::
+Three backends with one interface (:class:`ChunkBackend`), opened from a URL by :func:`open_url`
+(a directory, ``redis://``, ``redis+cluster://host:port,host:port/``)::
 
-    from kvz.integrations.kvstore import DirectoryBackend, RedisBackend
-    store = DirectoryBackend("/var/cache/kvz", budget_bytes=10 << 30, policy="lru")
+    from kvz.integrations.kvstore import open_url
+    store = open_url("/var/cache/kvz", budget_bytes=10 << 30, policy="lru")
     store.put(key, blob, meta={"tokens": 256}, importance=1.0)   # -> bool
     store.get(key)                                               # -> bytes | None
 
@@ -11,12 +12,21 @@ The layers above (hashing, encoding, model integration) only need that interface
 starts a throw-away redis-server for tests. Nothing stored is pickled: meta is JSON.
 """
 from .base import BlobRanges, ChunkBackend
+from .cluster import RedisClusterBackend
 from .directory import DirectoryBackend
-from .errors import StoreError, StoreReadError, StoreUnavailableWarning, StoreWarning
+from .errors import (
+    StoreAccessWarning,
+    StoreError,
+    StoreReadError,
+    StoreUnavailableError,
+    StoreUnavailableWarning,
+    StoreWarning,
+)
 from .record import Entry, entry_size
 from .redis_backend import RedisBackend
-from .server import RedisServer
+from .server import RedisClusterServer, RedisServer
+from .urls import open_url
 
-__all__ = ["BlobRanges", "ChunkBackend", "DirectoryBackend", "RedisBackend", "Entry", "entry_size", "StoreError",
-           "StoreReadError",
-           "StoreWarning", "StoreUnavailableWarning", "RedisServer"]
+__all__ = ["BlobRanges", "ChunkBackend", "DirectoryBackend", "RedisBackend", "RedisClusterBackend", "Entry",
+           "entry_size", "open_url", "StoreError", "StoreReadError", "StoreUnavailableError", "StoreWarning",
+           "StoreUnavailableWarning", "StoreAccessWarning", "RedisServer", "RedisClusterServer"]

@@ -10,7 +10,7 @@ from .errors import StoreError, StoreReadError, StoreWarning
 from .record import Entry
 
 POLICIES = ("lru", "importance")
-STAT_COUNTERS = ("hits", "misses", "puts", "refused", "evictions", "corrupt_dropped", "errors")
+STAT_COUNTERS = ("hits", "misses", "puts", "refused", "evictions", "corrupt_dropped", "errors", "foreign", "lost")
 
 
 class ChunkBackend(abc.ABC):
@@ -41,7 +41,11 @@ class ChunkBackend(abc.ABC):
     :class:`StoreError` (a ``ValueError``). Meta must be a JSON-serialisable dict.
 
     ``stats()`` has ``entries`` and ``bytes`` of the whole store (every process) and the counters
-    ``hits, misses, puts, refused, evictions, corrupt_dropped, errors`` of this object only.
+    ``hits, misses, puts, refused, evictions, corrupt_dropped, errors, foreign, lost`` of this object
+    only (``foreign``: records of another store format, refused as misses; ``lost``: entries found
+    gone under their bookkeeping, Redis only). ``store_stats()`` has the counters of every client
+    where the backend keeps them; ``gc()`` removes orphaned parts; ``check()`` raises
+    :class:`StoreUnavailableError` when the store cannot be used.
     """
 
     kind = "abstract"
@@ -126,6 +130,20 @@ class ChunkBackend(abc.ABC):
             return None
         blob = memoryview(entry.blob)
         return BlobRanges(key, len(blob), entry.meta, entry.importance, lambda off, n: blob[off:off + n])
+
+    def store_stats(self) -> dict:
+        """Whole-store figures (every client's counters where the backend keeps them); this default:
+        :meth:`stats`."""
+        return self.stats()
+
+    def check(self) -> dict:
+        """:meth:`store_stats`, raising :class:`StoreUnavailableError` where the store cannot be used."""
+        return self.store_stats()
+
+    def gc(self, verify: bool = False) -> dict:
+        """Remove orphaned parts (backend-specific); returns what was removed."""
+        self._check_open()
+        return {"checked": 0, "orphans": 0, "stale": 0, "corrupt": 0, "total_fixed_bytes": 0}
 
     def close(self) -> None:
         """Release resources; later calls raise StoreError. Closing twice is fine."""

@@ -3,24 +3,35 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import tempfile
 import time
 
 from . import record
 from .base import BlobRanges, ChunkBackend
-from .errors import CorruptEntryError, StoreError
+from .errors import CorruptEntryError, ForeignEntryError, StoreError, StoreUnavailableError, StoreWarning
 from .record import Entry
 
 try:  # POSIX advisory locks; elsewhere the store still works, without the eviction/drop lock
     import fcntl
 except ImportError:  # pragma: no cover - Windows
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]
 
 SUFFIX = ".kvc"
 _TMP_PREFIX = ".tmp-"
 _LOCK_NAME = ".lock"
 _STALE_TMP_S = 3600.0
+STATS_NAME = ".stats.json"
+
+
+@contextlib.contextmanager
+def warnings_suppressed():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 _UTIME_FD = os.utime in os.supports_fd
 
 
@@ -193,6 +204,7 @@ class DirectoryBackend(ChunkBackend):
         return True
 
     def _evict(self, protect: tuple[str, int]) -> None:
+        assert self.budget_bytes is not None
         with self._locked(exclusive=True):
             files = self._scan()
             total = sum(f[2] for f in files)
@@ -238,6 +250,9 @@ class DirectoryBackend(ChunkBackend):
         with f:
             try:
                 entry = record.decode_from(f.read, os.fstat(f.fileno()).st_size, expect_key=key)
+            except ForeignEntryError as e:
+                self._foreign(key, e)
+                return None
             except CorruptEntryError:
                 self._drop_corrupt(path, os.fstat(f.fileno()))
                 return None
@@ -273,6 +288,11 @@ class DirectoryBackend(ChunkBackend):
             if record.HEADER_SIZE + klen + mlen > len(prefix):
                 prefix = os.pread(fd, record.HEADER_SIZE + klen + mlen, 0)
             base, blen, meta, imp = record.parse_prefix(prefix, st.st_size, expect_key=key)
+        except ForeignEntryError as e:
+            os.close(fd)
+            self._foreign(key, e)
+            self._counters["misses"] += 1
+            return None
         except CorruptEntryError:
             os.close(fd)
             self._drop_corrupt(path, st)
@@ -285,6 +305,14 @@ class DirectoryBackend(ChunkBackend):
         self._counters["hits"] += 1
         self._succeeded()
         return BlobRanges(key, blen, meta, imp, lambda off, n: os.pread(fd, n, base + off), lambda: os.close(fd))
+
+    def _foreign(self, key: str, exc: BaseException) -> None:
+        """A record of another store format: a miss and a warning; the file stays (its writer reads it)."""
+        import warnings
+
+        self._counters["foreign"] += 1
+        warnings.warn(StoreWarning(f"DirectoryBackend {self.path}: entry {key[:40]!r} refused ({exc}): written by "
+                                   f"another kvz store format; a miss"), stacklevel=4)
 
     def _drop_corrupt(self, path: str, st: os.stat_result) -> None:
         self._counters["corrupt_dropped"] += 1
@@ -349,6 +377,102 @@ class DirectoryBackend(ChunkBackend):
             self._failed(f"stats of {self.path}", e)
             return {"entries": None, "bytes": None, "path": self.path}
         return {"entries": len(files), "bytes": sum(f[2] for f in files), "path": self.path}
+
+    # ---- whole-store statistics and garbage collection ------------------------------------------
+    _FLUSHED = {"hits": "hits", "misses": "misses", "puts": "puts", "corrupt_dropped": "corrupt",
+                "foreign": "foreign", "evictions": "evicted"}
+
+    def _flush_counters(self) -> dict:
+        """Add this object's counters (since the last flush) to ``path/.stats.json`` (every process's
+        counters, for ``kvz store stats``) and return the file's totals."""
+        done = getattr(self, "_flushed", None) or dict.fromkeys(self._FLUSHED, 0)
+        stats_path = os.path.join(self.path, STATS_NAME)
+        with self._locked(exclusive=True):
+            try:
+                with open(stats_path) as f:
+                    totals = {k: int(v) for k, v in json.load(f).items() if isinstance(v, int)}
+            except (OSError, ValueError):
+                totals = {}
+            for mine, name in self._FLUSHED.items():
+                totals[name] = totals.get(name, 0) + self._counters[mine] - done[mine]
+            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=self.path)
+            try:
+                with open(fd, "w") as f:
+                    json.dump(totals, f)
+                os.replace(tmp, stats_path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        self._flushed = {k: self._counters[k] for k in self._FLUSHED}
+        return totals
+
+    def store_stats(self) -> dict:
+        """Whole-store figures: ``entries``, ``bytes`` and the counters of every client that closed (or
+        asked for these stats) since the store was created: ``puts, hits, misses, corrupt, foreign,
+        evicted`` (``lost`` is always 0: files do not vanish under their bookkeeping here)."""
+        self._check_open()
+        try:
+            totals = self._flush_counters()
+            usage = self._usage()
+        except OSError as e:
+            return {"backend": self.kind, "path": self.path, "available": False, "reason": str(e)}
+        out = {"backend": self.kind, "path": self.path, "available": True, **usage}
+        for name in ("puts", "hits", "misses", "corrupt", "foreign", "evicted"):
+            out[name] = totals.get(name, 0)
+        out["lost"] = 0
+        return out
+
+    def check(self) -> dict:
+        """The store's :meth:`store_stats`; raises :class:`StoreUnavailableError` when the folder cannot
+        be read or written."""
+        self._check_open()
+        if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
+            raise StoreUnavailableError(f"DirectoryBackend {self.path}: not readable and writable by this user")
+        out = self.store_stats()
+        if not out.get("available"):
+            raise StoreUnavailableError(f"DirectoryBackend {self.path}: {out.get('reason')}")
+        return out
+
+    def gc(self, verify: bool = False, min_age_s: float = 60.0) -> dict:
+        """Remove orphaned parts: temporary files of writers that died before their rename (older than
+        ``min_age_s``: younger ones may belong to a put in flight). ``verify``: also read every entry
+        and drop those that fail their checksum (or sit under the wrong name)."""
+        self._check_open()
+        out = {"checked": 0, "orphans": 0, "stale": 0, "corrupt": 0, "total_fixed_bytes": 0}
+        now = time.time()
+        with os.scandir(self.path) as it:
+            names = [(de.name, de.path) for de in it]
+        for name, path in names:
+            try:
+                if name.startswith(_TMP_PREFIX):
+                    if now - os.stat(path).st_mtime >= min_age_s:
+                        os.unlink(path)
+                        out["orphans"] += 1
+                elif name.endswith(SUFFIX) and not name.startswith("."):
+                    out["checked"] += 1
+                    if not verify:
+                        continue
+                    key = self._read_key(name)
+                    if key is None:
+                        with self._locked(exclusive=True):
+                            os.unlink(path)
+                        out["corrupt"] += 1
+                        continue
+                    before = self._counters["corrupt_dropped"]
+                    with warnings_suppressed():
+                        self._get(key)
+                    out["corrupt"] += self._counters["corrupt_dropped"] - before
+            except FileNotFoundError:
+                continue
+        return out
+
+    def close(self) -> None:
+        if not self._closed:
+            with contextlib.suppress(OSError):
+                if any(self._counters[k] for k in self._FLUSHED):
+                    self._flush_counters()
+        super().close()
 
     def __repr__(self):
         return f"DirectoryBackend({self.path!r}, budget_bytes={self.budget_bytes}, policy={self.policy!r})"

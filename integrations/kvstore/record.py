@@ -27,7 +27,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import CorruptEntryError, StoreError
+from .errors import CorruptEntryError, ForeignEntryError, StoreError
 
 MAGIC = b"KVZS"
 VERSION = 1
@@ -119,7 +119,7 @@ def parse_head(head: bytes) -> tuple[int, int, int, float]:
     if magic != MAGIC:
         raise CorruptEntryError("bad magic")
     if version != VERSION:
-        raise CorruptEntryError(f"unknown record version {version}")
+        raise ForeignEntryError(f"record version {version}, this kvz reads {VERSION}")
     return klen, mlen, blen, imp
 
 

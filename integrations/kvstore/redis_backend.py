@@ -1,27 +1,48 @@
-"""A chunk store in Redis: one string per entry, bookkeeping in a sorted set, eviction in Lua."""
+"""A chunk store in Redis: one string per entry, bookkeeping beside it in the same hash slot, Lua scripts."""
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import re
 import time
 from urllib.parse import urlparse
 
 from . import record
 from .base import BlobRanges, ChunkBackend
-from .errors import CorruptEntryError, StoreError, StoreReadError, StoreUnavailableWarning
+from .errors import (
+    CorruptEntryError,
+    ForeignEntryError,
+    StoreAccessWarning,
+    StoreError,
+    StoreReadError,
+    StoreUnavailableError,
+    StoreUnavailableWarning,
+    StoreWarning,
+)
 from .record import Entry
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _SCHEMES = ("redis", "rediss", "unix")
+USERNAME_ENV, PASSWORD_ENV = "KVZ_REDIS_USERNAME", "KVZ_REDIS_PASSWORD"
+STORE_COUNTERS = ("puts", "hits", "misses", "corrupt", "foreign", "evicted", "lost")
 
-# KEYS: entry, zset, sizes, bases, total. ARGV: member, record, size, base, score, budget (-1: none),
-# entry-key prefix. Sets the entry, then evicts lowest-score members (never ARGV[1]) until total <= budget.
+# Every script takes the keys of one shard, all under its hash tag (one slot):
+# KEYS: entry, zset, sizes, bases, total, stats.
+
+# ARGV: member, record, size, base, score, budget (-1: none), entry-key prefix, ttl ms (0: none).
+# Sets the entry, then evicts lowest-score members (never ARGV[1]) until total <= budget.
 _PUT = """
 local old = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
-redis.call('SET', KEYS[1], ARGV[2])
+if tonumber(ARGV[8]) > 0 then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[8])
+else
+  redis.call('SET', KEYS[1], ARGV[2])
+end
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
 redis.call('HSET', KEYS[4], ARGV[1], ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
+redis.call('HINCRBY', KEYS[6], 'puts', 1)
 local total = redis.call('INCRBY', KEYS[5], tonumber(ARGV[3]) - old)
 local budget = tonumber(ARGV[6])
 local evicted = 0
@@ -39,31 +60,113 @@ if budget >= 0 then
     total = redis.call('DECRBY', KEYS[5], sz)
     evicted = evicted + 1
   end
+  if evicted > 0 then redis.call('HINCRBY', KEYS[6], 'evicted', evicted) end
 end
 return evicted
 """
 
-# KEYS: entry, zset, bases. ARGV: member, time term. Returns the record and touches its score.
-_GET = """
-local v = redis.call('GET', KEYS[1])
-if v then
-  local b = redis.call('HGET', KEYS[3], ARGV[1])
-  if b then redis.call('ZADD', KEYS[2], 'XX', tonumber(b) + tonumber(ARGV[2]), ARGV[1]) end
+# Drops the bookkeeping of a member whose entry is gone (evicted by the server's maxmemory policy,
+# expired, lost with a node): shared by the scripts below.
+_FORGET = """
+local function forget(member)
+  local sz = tonumber(redis.call('HGET', KEYS[3], member) or '0')
+  redis.call('HDEL', KEYS[3], member)
+  redis.call('HDEL', KEYS[4], member)
+  redis.call('ZREM', KEYS[2], member)
+  if sz > 0 then redis.call('DECRBY', KEYS[5], sz) end
 end
-return v
 """
 
-# KEYS: entry, zset, sizes, bases, total. ARGV: member, sha1 hex of the value to drop or '' (any).
-_DELETE = """
+# ARGV: member, time term. The record (touching its score), or 1: the entry was indexed but is gone
+# (its bookkeeping is dropped here: the whole entry is a miss), or 0: no such entry.
+_GET = _FORGET + """
+local v = redis.call('GET', KEYS[1])
+if v then
+  local b = redis.call('HGET', KEYS[4], ARGV[1])
+  if b then redis.call('ZADD', KEYS[2], 'XX', tonumber(b) + tonumber(ARGV[2]), ARGV[1]) end
+  redis.call('HINCRBY', KEYS[6], 'hits', 1)
+  return v
+end
+redis.call('HINCRBY', KEYS[6], 'misses', 1)
+if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
+  forget(ARGV[1])
+  redis.call('HINCRBY', KEYS[6], 'lost', 1)
+  return 1
+end
+return 0
+"""
+
+# ARGV: member, time term, prefix length. {length, first bytes} of the record (touching its score),
+# or 1 / 0 as _GET.
+_HEAD = _FORGET + """
+local n = redis.call('STRLEN', KEYS[1])
+if n > 0 then
+  local b = redis.call('HGET', KEYS[4], ARGV[1])
+  if b then redis.call('ZADD', KEYS[2], 'XX', tonumber(b) + tonumber(ARGV[2]), ARGV[1]) end
+  redis.call('HINCRBY', KEYS[6], 'hits', 1)
+  return {n, redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)}
+end
+redis.call('HINCRBY', KEYS[6], 'misses', 1)
+if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
+  forget(ARGV[1])
+  redis.call('HINCRBY', KEYS[6], 'lost', 1)
+  return 1
+end
+return 0
+"""
+
+# ARGV: member, sha1 hex of the value to drop or '' (any), counter to move a hit to ('' none).
+_DELETE = _FORGET + """
 local v = redis.call('GET', KEYS[1])
 if ARGV[2] ~= '' and (not v or redis.sha1hex(v) ~= ARGV[2]) then return 0 end
-local sz = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
 local n = redis.call('DEL', KEYS[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-if sz > 0 then redis.call('DECRBY', KEYS[5], sz) end
+forget(ARGV[1])
+if ARGV[3] ~= '' then
+  redis.call('HINCRBY', KEYS[6], ARGV[3], 1)
+  redis.call('HINCRBY', KEYS[6], 'hits', -1)
+  redis.call('HINCRBY', KEYS[6], 'misses', 1)
+end
 return n
+"""
+
+# ARGV: member, score it had when chosen. Evicts it (the budget across shards) if not touched since.
+_EVICT = _FORGET + """
+local s = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if not s or tonumber(s) ~= tonumber(ARGV[2]) then return -1 end
+local sz = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
+redis.call('DEL', KEYS[1])
+forget(ARGV[1])
+redis.call('HINCRBY', KEYS[6], 'evicted', 1)
+return sz
+"""
+
+# ARGV: member. gc of one member: 'orphan' (an entry with no bookkeeping: deleted), 'stale'
+# (bookkeeping with no entry: dropped), 'ok'.
+_GC_MEMBER = _FORGET + """
+local e = redis.call('EXISTS', KEYS[1])
+local z = redis.call('ZSCORE', KEYS[2], ARGV[1])
+local h = redis.call('HEXISTS', KEYS[3], ARGV[1])
+if e == 1 and (not z or h == 0) then
+  redis.call('DEL', KEYS[1])
+  forget(ARGV[1])
+  return 'orphan'
+end
+if e == 0 and (z or h == 1 or redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1) then
+  forget(ARGV[1])
+  redis.call('HINCRBY', KEYS[6], 'lost', 1)
+  return 'stale'
+end
+return 'ok'
+"""
+
+# Recomputes a shard's total from its sizes hash; returns {old, new}.
+_GC_TOTAL = """
+local t = 0
+local v = redis.call('HVALS', KEYS[3])
+for i = 1, #v do t = t + tonumber(v[i]) end
+local old = tonumber(redis.call('GET', KEYS[5]) or '0')
+if t > 0 then redis.call('SET', KEYS[5], t) else redis.call('DEL', KEYS[5]) end
+return {old, t}
 """
 
 
@@ -71,30 +174,75 @@ def _glob_escape(s: str) -> str:
     return re.sub(r"([\\*?\[\]])", r"\\\1", s)
 
 
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (what every message and repr shows)."""
+    try:
+        p = urlparse(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if p.password is None:
+        return url
+    user = p.username or ""
+    return url.replace(p.netloc, f"{user}:***@" + p.netloc.rsplit("@", 1)[1], 1)
+
+
+def describe_error(exc: BaseException) -> tuple[str, type]:
+    """A one-line reason for a failed Redis call, and the warning category it is reported with."""
+    import redis.exceptions as rex
+
+    text = str(exc)
+    if isinstance(exc, rex.AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH", "invalid username")) or \
+            "Authentication required" in text:
+        return (f"authentication failed: wrong user or password ({type(exc).__name__}; credentials come from "
+                f"the URL or {USERNAME_ENV}/{PASSWORD_ENV})"), StoreAccessWarning
+    if isinstance(exc, rex.NoPermissionError) or "NOPERM" in text:
+        return (f"permission denied by the server's ACL ({text}); the user needs the store's keys "
+                f"(~{{<namespace>*) and the commands +@read +@write +@scripting"), StoreAccessWarning
+    if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)) or \
+            type(exc).__name__ in ("RedisClusterUnreachableError", "ClusterDownError", "SlotNotCoveredError",
+                                   "MasterDownError") or \
+            (type(exc).__name__ == "RedisClusterException" and "connect" in text.lower()):
+        return f"unreachable ({type(exc).__name__}: {text})", StoreUnavailableWarning
+    return f"{type(exc).__name__}: {text}", StoreWarning
+
+
 class RedisBackend(ChunkBackend):
     """A :class:`ChunkBackend` in a Redis server (needs the ``redis`` package: ``pip install 'kvz[store]'``).
 
-    Layout under ``namespace`` (every key shares the hash tag ``{namespace}``)::
+    Layout under ``namespace``: every key of one *shard* shares its hash tag (``{ns}`` with the
+    default one shard; :class:`~.cluster.RedisClusterBackend` spreads entries over many)::
 
         {ns}:e:<key>   the entry: one string holding the whole record (header, sha256, key, meta, blob)
         {ns}:lru       sorted set key -> eviction score (lowest evicted first)
         {ns}:size      hash key -> record bytes;   {ns}:base  hash key -> static part of the score
-        {ns}:total     bytes of all records
+        {ns}:total     bytes of all records;       {ns}:stats hash: store-wide counters (puts, hits,
+                       misses, corrupt, foreign, evicted, lost) of every client, for ``kvz store stats``
 
     A put is one Lua script: SET of the whole record, the bookkeeping, and the eviction down to
     ``budget_bytes`` run atomically, so an entry is never half-visible and the budget holds after
-    every put (records only: Redis' own overhead is not counted; ``maxmemory`` is not used). A get is
-    a script too (GET + score touch); the checksum is verified here, and a corrupt value is deleted
-    only if it is still the same value (compared by SHA-1 in the server).
+    every put (records only: Redis' own overhead is not counted). A get is a script too (GET + score
+    touch); the checksum is verified here, and a corrupt value is deleted only if it is still the same
+    value (compared by SHA-1 in the server). ``ttl_s``: every entry expires that long after its put.
+
+    The server's own eviction (``maxmemory`` with ``allkeys-lru``, ``volatile-ttl`` …) and expiry remove
+    whole entries: a read that finds an entry gone drops its bookkeeping and misses (counted ``lost``);
+    bookkeeping evicted under ``allkeys-*`` leaves entries ``gc()`` removes. A record written by another
+    record version (another kvz store format) is a miss with a :class:`StoreWarning`, left in place.
 
     Outages: every call returns (``get`` None, ``put``/``delete``/``contains`` False, ``keys()`` [],
-    ``stats()`` with ``available`` False) and issues one :class:`StoreUnavailableWarning` per outage.
-    While down, calls within ``reconnect_interval`` seconds of the last failure do not touch the
-    network; after that the next call tries again, and the connection pool reconnects by itself
-    when the server is back (data of a restarted server without persistence is gone: misses).
+    ``stats()`` with ``available`` False) and issues one :class:`StoreUnavailableWarning` per outage
+    (:class:`StoreAccessWarning` for a wrong password or an ACL refusal). While down, calls within
+    ``reconnect_interval`` seconds of the last failure do not touch the network; after that the next
+    call tries again, and the connection pool reconnects by itself when the server is back (data of a
+    restarted server without persistence is gone: misses). ``check()`` raises instead.
 
-    Known limits: all clients of one namespace must use the same policy; ``clear()`` is not atomic
-    with concurrent puts; counters in ``stats()`` are per object; one failed command is retried once.
+    Credentials: in the URL (``redis://user:password@host:6379/0``) or, where it has none, from the
+    environment (``KVZ_REDIS_USERNAME``, ``KVZ_REDIS_PASSWORD``); messages and ``repr`` show the URL
+    with the password masked (``url``).
+
+    Known limits: all clients of one namespace must use the same policy and shard count; ``clear()``
+    is not atomic with concurrent puts; counters in ``stats()`` are per object (``store_stats()``: of
+    the whole store); one failed command is retried once.
 
     Example (needs a running server)::
 
@@ -106,139 +254,308 @@ class RedisBackend(ChunkBackend):
     """
 
     kind = "redis"
+    _url_schemes: tuple[str, ...] = _SCHEMES
+    _url_hint = "redis://host:port/db, rediss://... or unix://path"
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", budget_bytes: int | None = None,
                  policy: str = "lru", namespace: str = "kvz", *, half_life_s: float = 3600.0,
-                 socket_timeout: float = 2.0, connect_timeout: float = 1.0, reconnect_interval: float = 1.0):
+                 socket_timeout: float = 2.0, connect_timeout: float = 1.0, reconnect_interval: float = 1.0,
+                 ttl_s: float | None = None, username: str | None = None, password: str | None = None,
+                 ssl_options: dict | None = None):
         super().__init__(budget_bytes, policy, half_life_s)
-        if not isinstance(url, str) or urlparse(url).scheme not in _SCHEMES:
-            raise StoreError(f"bad Redis URL {url!r}: expected redis://host:port/db, rediss://... or unix://path")
+        if not isinstance(url, str) or urlparse(url).scheme not in self._url_schemes:
+            raise StoreError(f"bad Redis URL {mask_url(url) if isinstance(url, str) else url!r}: "
+                             f"expected {self._url_hint}")
         if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
             raise StoreError(f"bad namespace {namespace!r}: 1-64 characters of A-Z a-z 0-9 _ . : -")
         for name, v in (("socket_timeout", socket_timeout), ("connect_timeout", connect_timeout),
                         ("reconnect_interval", reconnect_interval)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise StoreError(f"{name} must be a number >= 0, got {v!r}")
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0):
+            raise StoreError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
         try:
             import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError("RedisBackend needs the redis package: pip install 'kvz[store]'") from e
-        try:
-            self._client = redis.Redis.from_url(
-                url, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-                retry=Retry(NoBackoff(), 1), decode_responses=False)
-        except ValueError as e:
-            raise StoreError(f"bad Redis URL {url!r}: {e}") from None
-        self.url = url
+            raise ImportError(f"{type(self).__name__} needs the redis package: pip install 'kvz[store]'") from e
+        self.url = mask_url(url)
+        self._raw_url = url
+        p = urlparse(url)
+        self._username = p.username or username or os.environ.get(USERNAME_ENV) or None
+        self._password = p.password or password or os.environ.get(PASSWORD_ENV) or None
+        self._ssl_options = dict(ssl_options or {})
         self.namespace = namespace
+        self.ttl_s = None if ttl_s is None else float(ttl_s)
+        self.socket_timeout, self.connect_timeout = float(socket_timeout), float(connect_timeout)
         self.reconnect_interval = float(reconnect_interval)
-        self._errors = (redis.exceptions.RedisError, OSError)
-        self._conn_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-        p = "{" + namespace + "}:"
-        self._entry_prefix = (p + "e:").encode()
-        self._zset, self._sizes, self._bases, self._total = (p + s for s in ("lru", "size", "base", "total"))
-        self._put_script = self._client.register_script(_PUT)
-        self._get_script = self._client.register_script(_GET)
-        self._delete_script = self._client.register_script(_DELETE)
-        self._down_at = None  # monotonic time of the last failure while the server is unreachable
+        rex = redis.exceptions
+        self._errors = (rex.RedisError, OSError, rex.RedisClusterException)
+        self._conn_errors = (rex.ConnectionError, rex.TimeoutError, OSError, rex.RedisClusterException,
+                             rex.ClusterDownError) + tuple(
+            getattr(rex, n) for n in ("SlotNotCoveredError", "MasterDownError") if hasattr(rex, n))
+        self._auth_errors = (rex.AuthenticationError, rex.NoPermissionError)
+        self._tags = self._shard_tags()
+        self._client = None
+        self._client = self._connect()
+        self._down_at: dict = {}  # shard (or "all") -> monotonic time of its last failure while unreachable
         self._last_t = 0.0
 
-    # ---- helpers ------------------------------------------------------------------------------
+    # ---- layout ---------------------------------------------------------------------------------
+    @property
+    def shards(self) -> int:
+        return len(self._tags)
+
+    def _shard_tags(self) -> list[str]:
+        return ["{" + self.namespace + "}"]
+
+    def _shard_of(self, kb: bytes) -> int:
+        if len(self._tags) == 1:
+            return 0
+        return int.from_bytes(hashlib.sha256(kb).digest()[:4], "big") % len(self._tags)
+
+    def _keys_of(self, shard: int, member: bytes | None = None) -> list:
+        """KEYS of a script on ``shard``: entry (of ``member``), zset, sizes, bases, total, stats."""
+        t = self._tags[shard]
+        ek = (t + ":e:").encode() + (member or b"")  # without a member: a key of the slot all the same
+        return [ek, t + ":lru", t + ":size", t + ":base", t + ":total", t + ":stats"]
+
     def entry_key(self, key: str) -> bytes:
         """The Redis key holding ``key``'s entry."""
-        return self._entry_prefix + record.key_bytes(key)
+        kb = record.key_bytes(key)
+        return self._keys_of(self._shard_of(kb), kb)[0]
+
+    # ---- connection -----------------------------------------------------------------------------
+    def _connect(self):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        kw = dict(socket_timeout=self.socket_timeout, socket_connect_timeout=self.connect_timeout,
+                  retry=Retry(NoBackoff(), 1), decode_responses=False, **self._ssl_options)
+        p = urlparse(self._raw_url)
+        if p.password is None and self._password is not None:
+            kw["password"] = self._password
+            if p.username is None and self._username is not None:
+                kw["username"] = self._username
+        try:
+            client = redis.Redis.from_url(self._raw_url, **kw)
+        except (ValueError, TypeError) as e:
+            raise StoreError(f"bad Redis URL {self.url!r}: {e}") from None
+        self._register(client)
+        return client
+
+    def _register(self, client) -> None:
+        self._scripts = {name: client.register_script(src) for name, src in (
+            ("put", _PUT), ("get", _GET), ("head", _HEAD), ("delete", _DELETE), ("evict", _EVICT),
+            ("gc_member", _GC_MEMBER), ("gc_total", _GC_TOTAL))}
+
+    def _script(self, name: str):
+        """The script ``name`` bound to the client (made first if it is not yet)."""
+        c = self._get_client()
+        return functools.partial(self._scripts[name], client=c)
+
+    def _get_client(self):
+        if self._client is None:
+            self._client = self._connect()
+        return self._client
 
     def _now(self) -> float:
         self._last_t = max(time.time(), self._last_t + 1e-6)
         return self._last_t
 
-    def _call(self, what: str, fn, default):
-        """Run ``fn()``; on a Redis failure count it, warn once per outage and return (default, False)."""
+    def _call(self, what: str, fn, default, shard=None):
+        """Run ``fn()``; on a Redis failure count it, warn once per outage and return (default, False).
+        ``shard``: the one shard ``fn`` touches (None: several); an unreachable node makes calls on
+        its shard (or on all, for a one-node store) answer without the network for a while."""
         self._check_open()
-        if self._down_at is not None and time.monotonic() - self._down_at < self.reconnect_interval:
-            self._counters["errors"] += 1
-            return default, False
+        now = time.monotonic()
+        for k in ("all", shard):
+            t = self._down_at.get(k)
+            if t is not None and now - t < self.reconnect_interval:
+                self._counters["errors"] += 1
+                return default, False
         try:
             out = fn()
         except self._errors as e:
-            if isinstance(e, self._conn_errors):
-                self._down_at = time.monotonic()
-                self._failed(f"{what} at {self.url}", e, StoreUnavailableWarning)
-            else:
-                self._failed(f"{what} at {self.url}", e)
+            reason, category = describe_error(e)
+            if category is StoreUnavailableWarning:
+                self._down_at["all" if (shard is None or self.shards == 1) and self._whole_store_down(e)
+                              else shard] = time.monotonic()
+            self._failed_reason(f"{what} at {self.url}", reason, category)
             return default, False
-        self._down_at = None
+        self._down_at.pop(shard, None)
+        self._down_at.pop("all", None)
         self._succeeded()
         return out, True
+
+    def _whole_store_down(self, exc) -> bool:
+        return True
+
+    def _failed_reason(self, what: str, reason: str, category) -> None:
+        import warnings
+
+        self._counters["errors"] += 1
+        if not self._failing:
+            self._failing = True
+            warnings.warn(category(f"{type(self).__name__}: {what} failed: {reason}; "
+                                   f"answering misses/False until it works again"), stacklevel=5)
+
+    def check(self) -> dict:
+        """Reach the store once (every node of a cluster) and return :meth:`store_stats`; raises
+        :class:`StoreUnavailableError` with a one-line reason (unreachable, wrong password, ACL)."""
+        self._check_open()
+        try:
+            self._ping()
+            return self._store_stats()
+        except self._errors as e:
+            raise StoreUnavailableError(f"{type(self).__name__} at {self.url}: {describe_error(e)[0]}") from None
+
+    def _ping(self) -> None:
+        c = self._get_client()
+        c.ping()
+        # a key and a script of the store's own: an ACL that refuses them fails here
+        ks = self._keys_of(0)
+        c.exists(ks[1])
+        c.eval("return redis.call('HLEN', KEYS[1])", 1, ks[5])
 
     # ---- backend operations -------------------------------------------------------------------
     def _put(self, key: str, parts: list, size: int, importance: float) -> bool:
         member = parts[2]
+        shard = self._shard_of(member)
         base, rate = self._score_parts(size, importance)
         score = base + rate * self._now()
         value = b"".join(parts)
-        budget = -1 if self.budget_bytes is None else self.budget_bytes
-        evicted, ok = self._call("put", lambda: self._put_script(
-            keys=[self._entry_prefix + member, self._zset, self._sizes, self._bases, self._total],
-            args=[member, value, size, repr(base), repr(score), budget, self._entry_prefix]), 0)
+        local = self.shards == 1 and self.budget_bytes is not None
+        budget = self.budget_bytes if local else -1
+        ttl_ms = 0 if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
+        keys = self._keys_of(shard, member)
+        evicted, ok = self._call("put", lambda: self._script("put")(
+            keys=keys, args=[member, value, size, repr(base), repr(score), budget, keys[0][:-len(member)], ttl_ms],
+            ), 0, shard)
         if ok:
             self._counters["evictions"] += int(evicted)
+            if self.budget_bytes is not None and not local:
+                self._evict_across_shards(shard, member)
         return ok
+
+    def _evict_across_shards(self, shard: int, member: bytes) -> None:
+        """Evict the lowest-scoring entries of all shards until their total fits the budget (not
+        atomic with other clients' puts: the budget can be exceeded by the puts in flight, until
+        the next put)."""
+        def totals():
+            pipe = self._get_client().pipeline(transaction=False)
+            for s in range(self.shards):
+                pipe.get(self._keys_of(s)[4])
+            return sum(int(v or 0) for v in pipe.execute())
+
+        total, ok = self._call("eviction", totals, 0)
+        rounds = 0
+        while ok and total > self.budget_bytes and rounds < 8:
+            rounds += 1
+
+            def lowest():
+                pipe = self._get_client().pipeline(transaction=False)
+                for s in range(self.shards):
+                    pipe.zrange(self._keys_of(s)[1], 0, 3, withscores=True)
+                return pipe.execute()
+
+            lows, ok = self._call("eviction", lowest, [])
+            cands = sorted((sc, s, m) for s, rows in enumerate(lows) for m, sc in rows
+                           if not (s == shard and m == member))
+            if not cands:
+                return
+            for sc, s, m in cands:
+                if total <= self.budget_bytes:
+                    return
+                freed, ok = self._call("eviction", lambda: self._script("evict")(
+                    keys=self._keys_of(s, m), args=[m, repr(sc)]), -1, s)
+                if not ok:
+                    return
+                if int(freed) >= 0:
+                    total -= int(freed)
+                    self._counters["evictions"] += 1
 
     def _get(self, key: str) -> Entry | None:
         member = record.key_bytes(key)
-        ek = self._entry_prefix + member
+        shard = self._shard_of(member)
+        keys = self._keys_of(shard, member)
         _, rate = self._score_parts(1, 1.0)
-        raw, ok = self._call("get", lambda: self._get_script(
-            keys=[ek, self._zset, self._bases], args=[member, repr(rate * self._now())]), None)
-        if not ok or raw is None:
+        raw, ok = self._call("get", lambda: self._script("get")(
+            keys=keys, args=[member, repr(rate * self._now())]), None, shard)
+        if not ok or raw is None or isinstance(raw, int):
+            if ok and raw == 1:
+                self._counters["lost"] += 1
             return None
         try:
             return record.decode(raw, expect_key=key)
+        except ForeignEntryError as e:
+            self._foreign(key, shard, e)
+            return None
         except CorruptEntryError:
             self._counters["corrupt_dropped"] += 1
             sha1 = hashlib.sha1(raw).hexdigest()
-            self._call("drop corrupt entry", lambda: self._delete_script(
-                keys=[ek, self._zset, self._sizes, self._bases, self._total], args=[member, sha1]), 0)
+            self._call("drop corrupt entry", lambda: self._script("delete")(
+                keys=keys, args=[member, sha1, "corrupt"]), 0, shard)
             return None
 
+    def _foreign(self, key: str, shard: int, exc: BaseException) -> None:
+        """A record of another store format: a miss and a warning; the entry stays (its writer reads it)."""
+        import warnings
+
+        self._counters["foreign"] += 1
+        warnings.warn(StoreWarning(f"{type(self).__name__} at {self.url}: entry {key[:40]!r} refused ({exc}): "
+                                   f"written by another kvz store format; a miss"), stacklevel=4)
+
+        def fix():
+            pipe = self._get_client().pipeline(transaction=False)
+            st = self._keys_of(shard)[5]
+            pipe.hincrby(st, "foreign", 1)
+            pipe.hincrby(st, "hits", -1)
+            pipe.hincrby(st, "misses", 1)
+            pipe.execute()
+        self._call("stats", fix, None, shard)
+
     def open_blob(self, key: str) -> BlobRanges | None:
-        """The entry read with ``GETRANGE`` (one round trip per range; the entry's LRU rank is not
-        touched by ranged reads). An entry replaced, evicted or cut short while it is read gives other
-        or fewer bytes, which the caller's own checksums catch (a ``.kvz`` payload's CRC-32)."""
-        ek = self.entry_key(key)
+        """The entry read with ``GETRANGE`` (one round trip per range; the open touches the entry's
+        LRU rank). An entry replaced, evicted or cut short while it is read gives other or fewer
+        bytes, which the caller's own checksums catch (a ``.kvz`` payload's CRC-32)."""
+        kb = record.key_bytes(key)
+        shard = self._shard_of(kb)
+        keys = self._keys_of(shard, kb)
+        ek = keys[0]
         want = record.HEADER_SIZE + record.MAX_KEY_BYTES + 4096
-
-        def head():
-            pipe = self._client.pipeline(transaction=False)
-            pipe.strlen(ek)
-            pipe.getrange(ek, 0, want - 1)
-            return pipe.execute()
-
-        got, ok = self._call("get", head, None)
-        if not ok or not got or not got[0]:
+        _, rate = self._score_parts(1, 1.0)
+        got, ok = self._call("get", lambda: self._script("head")(
+            keys=keys, args=[kb, repr(rate * self._now()), want]), None, shard)
+        if not ok or not got or isinstance(got, int):
             self._counters["misses"] += 1
+            if ok and got == 1:
+                self._counters["lost"] += 1
             return None
         total, prefix = int(got[0]), got[1]
         try:
             klen, mlen, _, _ = record.parse_head(prefix)
             if record.HEADER_SIZE + klen + mlen > len(prefix):
                 end = record.HEADER_SIZE + klen + mlen - 1
-                prefix, ok = self._call("get", lambda: self._client.getrange(ek, 0, end), b"")
+                prefix, ok = self._call("get", lambda: self._get_client().getrange(ek, 0, end), b"", shard)
             base, blen, meta, imp = record.parse_prefix(prefix, total, expect_key=key)
+        except ForeignEntryError as e:
+            self._counters["misses"] += 1
+            self._foreign(key, shard, e)
+            return None
         except CorruptEntryError:
             self._counters["misses"] += 1
             self._counters["corrupt_dropped"] += 1
-            self.delete(key)
+            self._call("drop corrupt entry", lambda: self._script("delete")(
+                keys=keys, args=[kb, "", "corrupt"]), 0, shard)
             return None
         self._counters["hits"] += 1
 
         def read(off: int, n: int) -> bytes:
             if n == 0:
                 return b""
-            out, ok = self._call("get range", lambda: self._client.getrange(ek, base + off, base + off + n - 1), None)
+            out, ok = self._call("get range", lambda: self._get_client().getrange(ek, base + off, base + off + n - 1),
+                                 None, shard)
             if not ok:
                 raise StoreReadError(f"Redis at {self.url}: ranged read of {key[:40]} failed (store unavailable)")
             return out
@@ -246,49 +563,167 @@ class RedisBackend(ChunkBackend):
         return BlobRanges(key, blen, meta, imp, read)
 
     def contains(self, key: str) -> bool:
-        ek = self.entry_key(key)
-        n, ok = self._call("contains", lambda: self._client.exists(ek), 0)
+        kb = record.key_bytes(key)
+        shard = self._shard_of(kb)
+        ek = self._keys_of(shard, kb)[0]
+        n, ok = self._call("contains", lambda: self._get_client().exists(ek), 0, shard)
         return bool(ok and n)
 
     def delete(self, key: str) -> bool:
         member = record.key_bytes(key)
-        n, ok = self._call("delete", lambda: self._delete_script(
-            keys=[self._entry_prefix + member, self._zset, self._sizes, self._bases, self._total],
-            args=[member, ""]), 0)
+        shard = self._shard_of(member)
+        n, ok = self._call("delete", lambda: self._script("delete")(
+            keys=self._keys_of(shard, member), args=[member, "", ""]), 0, shard)
         return bool(ok and n)
 
     def keys(self) -> list[str]:
-        members, ok = self._call("keys", lambda: self._client.zrange(self._zset, 0, -1), [])
+        def run():
+            pipe = self._get_client().pipeline(transaction=False)
+            for s in range(self.shards):
+                pipe.zrange(self._keys_of(s)[1], 0, -1)
+            return [m for rows in pipe.execute() for m in rows]
+        members, ok = self._call("keys", run, [])
         return [m.decode("utf-8") for m in members] if ok else []
+
+    def _entry_pattern(self) -> str:
+        return _glob_escape("{" + self.namespace + "}:e:") + "*"
+
+    def _scan_entries(self, c):
+        """Every entry key of this namespace (a SCAN of every master)."""
+        return c.scan_iter(match=self._entry_pattern(), count=1000)
+
+    def _member_of(self, entry_key: bytes) -> tuple[int, bytes] | None:
+        """(shard, member) of an entry key of this namespace, or None."""
+        for s, t in enumerate(self._tags):
+            p = (t + ":e:").encode()
+            if entry_key.startswith(p):
+                return s, entry_key[len(p):]
+        return None
+
+    def _unlink(self, c, keys: list) -> None:
+        if keys:
+            c.unlink(*keys)
 
     def clear(self) -> None:
         def run():
-            c = self._client
-            pattern = _glob_escape(self._entry_prefix.decode()) + "*"
+            c = self._get_client()
             batch = []
-            for k in c.scan_iter(match=pattern, count=1000):
+            for k in self._scan_entries(c):
                 batch.append(k)
                 if len(batch) >= 1000:
-                    c.unlink(*batch)
+                    self._unlink(c, batch)
                     batch = []
-            if batch:
-                c.unlink(*batch)
-            c.delete(self._zset, self._sizes, self._bases, self._total)
+            self._unlink(c, batch)
+            for s in range(self.shards):
+                self._unlink(c, self._keys_of(s)[1:])
         self._call("clear", run, None)
 
     def _usage(self) -> dict:
         def run():
-            pipe = self._client.pipeline(transaction=False)
-            pipe.zcard(self._zset)
-            pipe.get(self._total)
-            return pipe.execute()
+            pipe = self._get_client().pipeline(transaction=False)
+            for s in range(self.shards):
+                ks = self._keys_of(s)
+                pipe.zcard(ks[1])
+                pipe.get(ks[4])
+            res = pipe.execute()
+            return sum(int(x) for x in res[0::2]), sum(int(x or 0) for x in res[1::2])
         res, ok = self._call("stats", run, None)
         if not ok:
             return {"entries": None, "bytes": None, "available": False, "url": self.url}
-        return {"entries": int(res[0]), "bytes": int(res[1] or 0), "available": True, "url": self.url}
+        return {"entries": res[0], "bytes": res[1], "available": True, "url": self.url}
+
+    # ---- whole-store statistics and garbage collection ------------------------------------------
+    def _store_stats(self) -> dict:
+        c = self._get_client()
+        pipe = c.pipeline(transaction=False)
+        for s in range(self.shards):
+            ks = self._keys_of(s)
+            pipe.zcard(ks[1])
+            pipe.get(ks[4])
+            pipe.hgetall(ks[5])
+        res = pipe.execute()
+        out = {"backend": self.kind, "url": self.url, "namespace": self.namespace, "shards": self.shards,
+               "entries": sum(int(x) for x in res[0::3]), "bytes": sum(int(x or 0) for x in res[1::3])}
+        counters = dict.fromkeys(STORE_COUNTERS, 0)
+        for h in res[2::3]:
+            for k, v in h.items():
+                name = k.decode() if isinstance(k, bytes) else str(k)
+                if name in counters:
+                    counters[name] += int(v)
+        out.update(counters)
+        out["server"] = self._server_info(c)
+        return out
+
+    def _server_info(self, c) -> dict:
+        """Summed INFO of the server(s): memory used, keys the server itself evicted or expired."""
+        info = c.info()
+        infos = list(info.values()) if info and isinstance(next(iter(info.values())), dict) else [info]
+        out: dict = {"nodes": len(infos)}
+        for k in ("used_memory", "evicted_keys", "expired_keys"):
+            out[k] = sum(int(i.get(k, 0)) for i in infos)
+        out["maxmemory_policy"] = sorted({str(i.get("maxmemory_policy", "?")) for i in infos})
+        return out
+
+    def store_stats(self) -> dict:
+        """Whole-store figures from the server (every client's counters): ``entries``, ``bytes``, ``puts``,
+        ``hits``, ``misses``, ``corrupt``, ``foreign``, ``evicted`` (by the budget), ``lost`` (indexed
+        entries found gone: the server's maxmemory eviction, expiry, a node lost) and ``server`` (INFO).
+        ``available`` False (and the reason) when the store cannot be reached."""
+        out, ok = self._call("stats", self._store_stats, None)
+        if not ok:
+            return {"backend": self.kind, "url": self.url, "available": False}
+        out["available"] = True
+        return out
+
+    def gc(self, verify: bool = False) -> dict:
+        """Remove orphaned parts: entries without bookkeeping (left when the server evicted the
+        bookkeeping keys under ``allkeys-*``), bookkeeping of entries that are gone, and recompute each
+        shard's byte total. ``verify``: also read every entry and drop those that fail their checksum.
+        Returns counts (``orphans``, ``stale``, ``corrupt``, ``checked``, ``total_fixed_bytes``)."""
+        def run():
+            c = self._get_client()
+            seen: dict[int, set] = {s: set() for s in range(self.shards)}
+            out = {"checked": 0, "orphans": 0, "stale": 0, "corrupt": 0, "total_fixed_bytes": 0}
+            for k in self._scan_entries(c):
+                sm = self._member_of(bytes(k))
+                if sm is None:
+                    continue
+                seen[sm[0]].add(sm[1])
+            for s in range(self.shards):
+                ks = self._keys_of(s)
+                pipe = c.pipeline(transaction=False)
+                pipe.zrange(ks[1], 0, -1)
+                pipe.hkeys(ks[2])
+                pipe.hkeys(ks[3])
+                z, h1, h2 = pipe.execute()
+                for m in seen[s] | set(z) | set(h1) | set(h2):
+                    out["checked"] += 1
+                    r = self._script("gc_member")(keys=self._keys_of(s, m), args=[m])
+                    r = r.decode() if isinstance(r, bytes) else str(r)
+                    if r in ("orphan", "stale"):
+                        out[r + "s" if r == "orphan" else r] += 1
+                    elif verify and m in seen[s]:
+                        raw = c.get(self._keys_of(s, m)[0])
+                        if raw is None:
+                            continue
+                        try:
+                            record.decode(raw, expect_key=m.decode("utf-8", "replace"))
+                        except ForeignEntryError:
+                            continue
+                        except CorruptEntryError:
+                            self._script("delete")(keys=self._keys_of(s, m), args=[m, hashlib.sha1(raw).hexdigest(),
+                                                                                 "corrupt"])
+                            out["corrupt"] += 1
+                old, new = self._script("gc_total")(keys=ks, args=[])
+                out["total_fixed_bytes"] += abs(int(old) - int(new))
+            return out
+        res, ok = self._call("gc", run, None)
+        if not ok:
+            raise StoreUnavailableError(f"{type(self).__name__} at {self.url}: gc failed (store unavailable)")
+        return res
 
     def close(self) -> None:
-        if not self._closed:
+        if not self._closed and self._client is not None:
             try:
                 self._client.close()
             except Exception:  # noqa: BLE001 - closing a dead connection must not raise
@@ -296,5 +731,5 @@ class RedisBackend(ChunkBackend):
         super().close()
 
     def __repr__(self):
-        return (f"RedisBackend({self.url!r}, budget_bytes={self.budget_bytes}, policy={self.policy!r}, "
+        return (f"{type(self).__name__}({self.url!r}, budget_bytes={self.budget_bytes}, policy={self.policy!r}, "
                 f"namespace={self.namespace!r})")

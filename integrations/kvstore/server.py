@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -39,11 +40,11 @@ def _free_port(host: str) -> int:
 
 
 def ping(host: str, port: int, timeout: float = 0.5) -> bool:
-    """True if a Redis server answers PING at host:port."""
+    """True if a Redis server answers PING at host:port (one that asks for a password answers too)."""
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -52,6 +53,10 @@ def _stop_process(proc: subprocess.Popen | None) -> None:
     if proc is None or proc.poll() is not None:
         return
     proc.terminate()
+    try:
+        proc.send_signal(signal.SIGCONT)  # a paused (SIGSTOP) server only sees the SIGTERM once continued
+    except OSError:
+        pass
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -77,8 +82,9 @@ class RedisServer:
     """
 
     def __init__(self, port: int | None = None, *, host: str = "127.0.0.1", executable: str | None = None,
-                 startup_timeout: float = 10.0):
+                 startup_timeout: float = 10.0, args: tuple | list = ()):
         self.host = host
+        self.args = [str(a) for a in args]  # extra redis-server arguments (``--maxmemory``, ``--requirepass`` …)
         self.port = port
         self._fixed_port = port is not None
         self.executable = executable or redis_server_path()
@@ -122,11 +128,12 @@ class RedisServer:
     def _launch(self) -> str:
         """Start the process and wait for PING; '' on success, else the reason (log tail)."""
         d = self._state["dir"]
+        assert self.executable is not None and self.port is not None
         log_path = os.path.join(d, "redis.log")
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 [self.executable, "--port", str(self.port), "--bind", self.host, "--save", "",
-                 "--appendonly", "no", "--dir", d, "--daemonize", "no"],
+                 "--appendonly", "no", "--dir", d, "--daemonize", "no", *self.args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=d)
         self._state["proc"] = proc
         deadline = time.monotonic() + self.startup_timeout
@@ -146,6 +153,25 @@ class RedisServer:
         """Terminate the server (SIGTERM; it saves nothing). The port and folder are kept for start()."""
         _stop_process(self._state["proc"])
         self._state["proc"] = None
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown of any kind). ``start()`` brings it back on the port."""
+        proc = self._state["proc"]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        self._state["proc"] = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the process stops answering but keeps its sockets (a node cut off by the network)."""
+        proc = self._state["proc"]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        proc = self._state["proc"]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
 
     def restart(self) -> RedisServer:
         self.stop()
@@ -185,3 +211,220 @@ def redis_server_fixture():
     require_redis()
     with RedisServer() as srv:
         yield srv
+
+
+# ---- Redis Cluster ---------------------------------------------------------------------------------
+N_SLOTS = 16384
+
+
+class RedisClusterServer:
+    """A throw-away Redis Cluster on 127.0.0.1: ``masters`` masters (slots split evenly) with
+    ``replicas`` replicas each, every node a :class:`RedisServer` (``--cluster-enabled yes``, own
+    folder, free port, no persistence), joined with CLUSTER MEET / ADDSLOTSRANGE / REPLICATE over
+    redis-py (no ``redis-cli`` needed)::
+
+        with RedisClusterServer(masters=3, replicas=1) as cl:
+            store = RedisClusterBackend(cl.url)      # redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...
+            cl.kill(cl.master_of_key(b"{kvz/00}")) # a crash; a replica takes over after node_timeout_ms
+            cl.wait_ok()
+
+    ``password`` sets ``requirepass``/``masterauth`` on every node (the default user); ``users``:
+    ACL rules per extra user, e.g. ``{"kvz": "on >pw ~* +@all"}``. ``args``: more redis-server
+    arguments for every node (``--maxmemory 2mb --maxmemory-policy allkeys-lru``).
+    ``nodes``: the RedisServer of each node, masters first as created (roles change with failovers:
+    :meth:`masters` asks the cluster).
+    """
+
+    def __init__(self, masters: int = 3, replicas: int = 1, *, host: str = "127.0.0.1", password: str | None = None,
+                 users: dict | None = None, node_timeout_ms: int = 1000, args: tuple | list = (),
+                 startup_timeout: float = 30.0):
+        if masters < 1 or replicas < 0:
+            raise ValueError("masters >= 1, replicas >= 0")
+        self.n_masters, self.n_replicas = int(masters), int(replicas)
+        self.host = host
+        self.password = password
+        self.users = dict(users or {})
+        self.node_timeout_ms = int(node_timeout_ms)
+        self.args = [str(a) for a in args]
+        self.startup_timeout = float(startup_timeout)
+        self.nodes: list[RedisServer] = []
+        self.ids: list[str] = []
+
+    # ---- addresses -----------------------------------------------------------------------------
+    @property
+    def addresses(self) -> list[str]:
+        return [f"{self.host}:{n.port}" for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://host:port,host:port,...`` of the first nodes (no credentials in it)."""
+        if not self.nodes:
+            raise RuntimeError("RedisClusterServer has not been started")
+        return "redis+cluster://" + ",".join(self.addresses[:self.n_masters]) + "/"
+
+    def _node_args(self) -> list[str]:
+        a = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no",
+             "--cluster-allow-reads-when-down", "no", "--repl-diskless-sync-delay", "0"]
+        if self.password:
+            a += ["--requirepass", self.password, "--masterauth", self.password]
+        return a + self.args
+
+    def client(self, i: int, timeout: float = 2.0):
+        """A plain redis-py client of node ``i`` (as the default user)."""
+        import redis
+
+        return redis.Redis(self.host, int(self.nodes[i].port or 0), password=self.password, socket_timeout=timeout,
+                           socket_connect_timeout=timeout)
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    def start(self) -> RedisClusterServer:
+        if self.nodes:
+            for n in self.nodes:
+                n.start()
+            self.wait_ok()
+            return self
+        total = self.n_masters * (1 + self.n_replicas)
+        try:
+            for _ in range(total):
+                self.nodes.append(RedisServer(host=self.host, args=self._node_args()).start())
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _create(self) -> None:
+        clients = [self.client(i) for i in range(len(self.nodes))]
+        try:
+            for c in clients:
+                for name, rules in self.users.items():
+                    c.execute_command("ACL", "SETUSER", name, *str(rules).split())
+            self.ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+            for i in range(self.n_masters):
+                lo, hi = i * N_SLOTS // self.n_masters, (i + 1) * N_SLOTS // self.n_masters - 1
+                clients[i].execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+            for n in self.nodes[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", self.host, n.port)
+            self._wait(lambda: all(len(self._known(c)) == len(self.nodes) for c in clients), "nodes to meet")
+            for j in range(self.n_masters * self.n_replicas):
+                replica = self.n_masters + j
+                clients[replica].execute_command("CLUSTER", "REPLICATE", self.ids[j % self.n_masters])
+            self.wait_ok()
+        finally:
+            for c in clients:
+                c.close()
+
+    @staticmethod
+    def _known(c) -> list[str]:
+        raw = c.execute_command("CLUSTER", "NODES")
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return [line for line in text.splitlines() if line.strip() and "handshake" not in line]
+
+    def _wait(self, cond, what: str, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
+        last: BaseException | None = None
+        while time.monotonic() < deadline:
+            try:
+                if cond():
+                    return
+            except Exception as e:  # noqa: BLE001 - a node still starting
+                last = e
+            time.sleep(0.05)
+        raise RuntimeError(f"Redis cluster: timed out waiting for {what}" + (f" ({last})" if last else ""))
+
+    def cluster_ok(self) -> bool:
+        """Every running node says ``cluster_state:ok``, all slots are served, and every running
+        replica's link to its master is up."""
+        running = [i for i, n in enumerate(self.nodes) if n.running]
+        for i in running:
+            c = self.client(i, timeout=0.5)
+            try:
+                info = c.execute_command("CLUSTER", "INFO")
+                info = info.decode() if isinstance(info, bytes) else str(info)
+                if "cluster_state:ok" not in info or "cluster_slots_ok:16384" not in info:
+                    return False
+                rep = c.info("replication")
+                if rep.get("role") == "slave" and rep.get("master_link_status") != "up":
+                    return False
+            finally:
+                c.close()
+        return bool(running)
+
+    def wait_ok(self, timeout: float | None = None) -> None:
+        """Wait until :meth:`cluster_ok` and there are ``masters`` masters again (after a start, a
+        failover or a restart: a master brought back first claims its old slots, then turns replica)."""
+        self._wait(lambda: self.cluster_ok() and len(self.masters()) == self.n_masters, "cluster_state:ok", timeout)
+
+    def masters(self) -> list[int]:
+        """Indices of the nodes that are masters now (asked of the running nodes)."""
+        out = []
+        for i, n in enumerate(self.nodes):
+            if not n.running:
+                continue
+            c = self.client(i, timeout=0.5)
+            try:
+                if c.info("replication").get("role") == "master":
+                    out.append(i)
+            except Exception:  # noqa: BLE001 - paused or dying node
+                pass
+            finally:
+                c.close()
+        return out
+
+    def master_of_slot(self, slot: int) -> int:
+        """Index of the running node that serves ``slot`` now."""
+        for i in self.masters():
+            c = self.client(i, timeout=0.5)
+            try:
+                for lo, hi, *_ in c.execute_command("CLUSTER", "SLOTS"):
+                    if int(lo) <= slot <= int(hi):
+                        port = int(_[0][1])
+                        return next(j for j, n in enumerate(self.nodes) if n.port == port)
+            finally:
+                c.close()
+        raise RuntimeError(f"no running node serves slot {slot}")
+
+    def master_of_key(self, key: bytes | str) -> int:
+        from redis.crc import key_slot
+
+        return self.master_of_slot(key_slot(key.encode() if isinstance(key, str) else key))
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node ``i`` (a crash). Its replica is promoted after ``node_timeout_ms`` (+ ~1 s)."""
+        self.nodes[i].kill()
+
+    def stop(self, i: int) -> None:
+        self.nodes[i].stop()
+
+    def restart(self, i: int) -> None:
+        """Start node ``i`` again on its port with its nodes.conf (it rejoins, empty; a master that
+        was replaced comes back as a replica of the node that took over)."""
+        self.nodes[i].start()
+
+    def pause(self, i: int) -> None:
+        self.nodes[i].pause()
+
+    def resume(self, i: int) -> None:
+        self.nodes[i].resume()
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.close()
+
+    def __enter__(self) -> RedisClusterServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def redis_cluster_fixture(**kw):
+    """Body of a pytest fixture: ``yield from redis_cluster_fixture()`` yields a started
+    :class:`RedisClusterServer` (3 masters, 1 replica each unless ``kw`` says otherwise); skips or
+    fails like :func:`redis_server_fixture`."""
+    require_redis()
+    kw.setdefault("masters", 3)
+    kw.setdefault("replicas", 1)
+    with RedisClusterServer(**kw) as cl:
+        yield cl
