@@ -57,15 +57,12 @@ def as_bool(v) -> bool:
 
 
 def backend_from_url(url: str, budget_bytes: int | None = None):
-    """A kvz chunk-store backend for ``redis://host:port/db`` (also ``rediss://``, ``unix://``) or a
-    directory (``file:///path`` or a plain path)."""
-    from kvz.integrations.kvstore import DirectoryBackend, RedisBackend
+    """A kvz chunk-store backend for a store URL (:func:`kvz.integrations.kvstore.open_url`):
+    ``redis://host:port/db`` (also ``rediss://``, ``unix://``), ``redis+cluster://host:port,host:port/``
+    (``rediss+cluster://``) or a directory (``file:///path`` or a plain path)."""
+    from kvz.integrations.kvstore import open_url
 
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisBackend(url, budget_bytes=budget_bytes)
-    if url.startswith("file://"):
-        url = url[len("file://"):]
-    return DirectoryBackend(url, budget_bytes=budget_bytes)
+    return open_url(url, budget_bytes=budget_bytes)
 
 
 @dataclass

@@ -49,18 +49,14 @@ def block_digest(ids) -> str:
 
 
 def open_backend(url: str | None, **kw):
-    """A backend from a store URL: ``redis://…`` / ``rediss://…`` / ``unix://…`` → RedisBackend,
-    anything else (a directory path, ``file://…``) → DirectoryBackend."""
-    from kvz.integrations.kvstore import DirectoryBackend, RedisBackend
+    """A backend from a store URL (:func:`kvz.integrations.kvstore.open_url`: a directory, ``file://…``,
+    ``redis://…``, ``rediss://…``, ``unix://…``, ``redis+cluster://host:port,host:port/``); default
+    ``~/.cache/kvz/vllm``."""
+    from kvz.integrations.kvstore import open_url
 
     if url is None or url == "":
         url = os.path.join(os.path.expanduser("~"), ".cache", "kvz", "vllm")
-    url = str(url)
-    if url.split("://", 1)[0] in ("redis", "rediss", "unix"):
-        return RedisBackend(url, **{k: v for k, v in kw.items() if k in ("budget_bytes", "namespace")})
-    if url.startswith("file://"):
-        url = url[len("file://"):]
-    return DirectoryBackend(url, **{k: v for k, v in kw.items() if k in ("budget_bytes",)})
+    return open_url(str(url), **kw)
 
 
 @dataclass
