@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -59,7 +60,9 @@ class _Bars:
     UNITS = {"capture": "tok", "fit": "block", "sensitivity": "pass"}
 
     def __init__(self, quiet: bool):
-        self.quiet, self.stage, self.bar = quiet, None, None
+        self.quiet = quiet
+        self.stage: str | None = None
+        self.bar: Any = None
 
     def __call__(self, stage: str, advance: int, total: int) -> None:
         if self.quiet:
@@ -195,11 +198,11 @@ def calibrate_model(*, model_path: str, texts: str | None, out: str, tokens: int
                      f"(KL at eps 0.0267 ≈ {0.0267 ** 2 * res.sensitivity['kl_per_nrmse2']:.2e})")
     if register_name is not None:
         try:
-            e = register(out, register_name, res.sensitivity, force=force)
+            entry = register(out, register_name, res.sensitivity, force=force)
         except KvzError as err:
             raise click.ClickException(str(err)) from None
-        summary["registered"] = {"name": e.name, "path": e.path}
-        lines.append(f"registered as {e.name!r} ({e.path}): kvz compress --bank {e.name}"
+        summary["registered"] = {"name": entry.name, "path": entry.path}
+        lines.append(f"registered as {entry.name!r} ({entry.path}): kvz compress --bank {entry.name}"
                      + (" [--target-kl KL]" if res.sensitivity is not None else ""))
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))

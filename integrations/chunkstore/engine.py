@@ -68,6 +68,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,7 @@ DEFAULT_PROBE_LAYER = 1
 class PrefillResult:
     """What :meth:`ReuseEngine.prefill` assembled: the prompt's KV, where it came from, and timings (``stats``)."""
     token_ids: list
-    logits: object  # torch [vocab] of the last position
+    logits: Any  # torch [vocab] of the last position
     cache: object  # transformers DynamicCache holding every position
     kv: list  # [(K, V)] per layer, torch [1, kv_heads, T, d]: the assembled KV
     chunks: list
@@ -139,7 +140,7 @@ class ReuseEngine:
         self.kw = cache_kwarg(model)
         self.dtype = next(model.parameters()).dtype
         self.decoder = decoder_of(model)
-        self._spec = store.rope if store is not None else None
+        self._spec: Any = store.rope if store is not None else None
 
     # -- helpers -----------------------------------------------------------------------------------
     def _masks(self, pos, T):

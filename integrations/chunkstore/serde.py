@@ -47,10 +47,10 @@ class KvzSerde:
                 "bank": self.bank.id if self.bank is not None else None, "eps": self.eps, "scope": self.scope}
 
     def encode(self, kv, meta) -> bytes:
-        from alignpred import Cache, compress
+        from alignpred import Cache, compress_bytes
 
-        return compress(Cache.from_arrays(kv, meta), None, eps=self.eps, bank=self.bank, scope=self.scope,
-                        config=self.config).data
+        return compress_bytes(Cache.from_arrays(kv, meta), eps=self.eps, bank=self.bank, scope=self.scope,
+                              config=self.config)
 
     def decode_into(self, blob, out) -> dict:
         """Decode every layer into ``out(layer) -> (k_view, v_view)``; returns the source metadata."""

@@ -72,7 +72,7 @@ class ChunkStore:
         self.shape = tuple(int(x) for x in shape)
         self.chunk_tokens = int(chunk_tokens)
         if codec == "kvz":
-            self.codec = KvzSerde(eps, bank, config, scope, session)
+            self.codec: KvzSerde | RawSerde = KvzSerde(eps, bank, config, scope, session)
         elif codec == "raw":
             self.codec = RawSerde(raw_dtype)
         else:

@@ -238,9 +238,9 @@ def _check_rope(reader, model, n_positions: int) -> None:
         have = RopeSpec.from_thetas(list(lay.rope_theta), head_dim=lay.head_dim)
     for i in range(lay.num_layers):
         a, b = have.table(i), want.table(i)
-        if (a is None) != (b is None) or (a is not None and (a.inv_freq != b.inv_freq or
-                                                               a.attention_scaling != b.attention_scaling or
-                                                               a.pairing != b.pairing)):
+        if (a is None) != (b is None) or (a is not None and b is not None
+                                          and (a.inv_freq != b.inv_freq or a.attention_scaling != b.attention_scaling
+                                               or a.pairing != b.pairing)):
             raise KvzError(f"{reader.path}: layer {i} was cached with another RoPE than this model applies; "
                            "load it with the model it was captured from")
 

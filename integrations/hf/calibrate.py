@@ -19,6 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from alignpred import Bank
 
 __all__ = ["model_name", "read_texts", "calibrate_model", "register", "CalibrationResult", "Progress"]
 
@@ -103,7 +107,7 @@ def read_texts(source: str | os.PathLike | Sequence[str | os.PathLike]) -> list[
 class CalibrationResult:
     """What :func:`calibrate_model` made: the bank, its sensitivity record (or None) and a summary."""
 
-    bank: object
+    bank: Bank
     sensitivity: dict | None
     model_id: str
     texts: list = field(default_factory=list)  # [{"source", "tokens"}]

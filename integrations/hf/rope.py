@@ -31,6 +31,7 @@ import inspect
 import re
 import sys
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -174,7 +175,7 @@ def used_parameters(rot, key) -> tuple[tuple, float]:
     inv = getattr(rot, f"{prefix}inv_freq", None)
     if inv is None:
         raise UnsupportedRope(f"{type(rot).__name__}: no inverse frequencies for layer type {key!r}")
-    s = getattr(rot, f"{prefix}attention_scaling", None) if key else None
+    s: Any = getattr(rot, f"{prefix}attention_scaling", None) if key else None
     if s is None:
         s = getattr(rot, "attention_scaling", 1.0)
     inv = inv.detach().to("cpu").float().numpy().astype(np.float32)
@@ -303,7 +304,7 @@ def rope_spec_from_config(config, n_positions: int) -> RopeSpec:
     cfg = text_config(config)
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
     cls = getattr(transformers, name, None) if name else None
-    if cls is None:
+    if name is None or cls is None:
         raise UnsupportedRope(f"no causal-LM class for model_type {cfg.model_type!r}")
     mod = sys.modules[cls.__module__]
     rot_cls = getattr(mod, name.replace("ForCausalLM", "RotaryEmbedding"), None)

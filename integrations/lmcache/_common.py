@@ -145,7 +145,7 @@ class BackendReader:
 
     def __init__(self, backend, what: str):
         self.backend, self.what = backend, what
-        self._dropped = None
+        self._dropped: int | None = None
 
     def _corrupt_count(self) -> int:
         try:

@@ -9,6 +9,8 @@ slot = token index). ``from_gpu`` fills a ``KV_2LTD`` memory object ``[2, L, T, 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 
@@ -19,7 +21,7 @@ class CPUBufferConnector(GPUConnectorInterface):
     def __init__(self, num_layers: int, num_heads: int, head_dim: int, chunk_size: int = 256):
         self.num_layers, self.num_heads, self.head_dim = num_layers, num_heads, head_dim
         self.chunk_size = chunk_size
-        self.kvcaches = None
+        self.kvcaches: Any = None  # the per-layer tensors, when not passed as kvcaches=
 
     def _slots(self, start: int, end: int, kwargs):
         sm = kwargs.get("slot_mapping")

@@ -132,7 +132,7 @@ class KvzChunkCodec:
         """The ``.kvz`` bytes of one chunk. ``position_offset``: the chunk's first token position, or
         None (position-blind caller: searched, or 0 with ``position="zero"``); ``step``: the search
         grid (chunk-aligned callers pass their chunk size)."""
-        from alignpred import Cache, compress
+        from alignpred import Cache, compress_bytes
 
         tensors = pairs if isinstance(pairs, dict) else self.tensors(pairs)
         source = "caller"
@@ -147,13 +147,13 @@ class KvzChunkCodec:
         if extra:
             meta.update({str(k): (v if isinstance(v, str) else json.dumps(v)) for k, v in extra.items()})
         t0 = time.perf_counter()
-        info = compress(Cache.from_arrays(tensors, meta), None, eps=self.eps, bank=self.bank, scope=self.scope,
-                        lossless=self.lossless, threads=self.threads, profile=self.profile)
+        data = compress_bytes(Cache.from_arrays(tensors, meta), eps=self.eps, bank=self.bank, scope=self.scope,
+                              lossless=self.lossless, threads=self.threads, profile=self.profile)
         self.stats["encode_s"] += time.perf_counter() - t0
         self.stats["encoded"] += 1
         self.stats["raw_bytes"] += sum(a.nbytes for a in tensors.values())
-        self.stats["stored_bytes"] += len(info.data)
-        return info.data
+        self.stats["stored_bytes"] += len(data)
+        return data
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, num_layers: int, num_heads: int, head_dim: int, dtype: str = "bfloat16",

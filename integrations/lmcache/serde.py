@@ -82,7 +82,7 @@ class KvzSerializer(_Base, Serializer):
         if n > cap:
             raise ValueError(f"kvz serde: {n} bytes do not fit the {cap}-byte buffer (size_factor "
                              f"{self.size_factor}); the chunk is not stored")
-        mv = memoryview(C.as_numpy(out).reshape(-1).view(np.uint8))
+        mv = C.as_numpy(out).reshape(-1).view(np.uint8).data
         mv[:HEADER] = MAGIC + struct.pack("<Q", len(blob))
         mv[HEADER:n] = blob
         if self.pad:
@@ -105,7 +105,7 @@ class KvzDeserializer(_Base, Deserializer):
             C.warn("kvz serde: the L2 payload is truncated; a miss")
             raise ValueError("truncated kvz L2 record")
         try:
-            pairs, _ = self.codec.decode(memoryview(buf[HEADER:HEADER + n]))
+            pairs, _ = self.codec.decode(buf[HEADER:HEADER + n].data)
         except Exception as e:
             C.warn(f"kvz serde: corrupt L2 payload ({type(e).__name__}: {e}); a miss")
             raise

@@ -57,6 +57,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -314,7 +315,7 @@ class KvPager:
                 direct[j] = per[j]
         # direct stripes: decoded here, in step with the layers
         gens = {j: src.decode(j, j + 1, Ls_j, self._count) for j, Ls_j in direct.items()}
-        pending = {j: None for j in gens}
+        pending: dict = {j: None for j in gens}
         held = {(j, L) for j in js for L in Ls if (j, L) not in waits and L not in direct.get(j, ())}
         try:
             for L in Ls:
@@ -411,7 +412,7 @@ class _Job:
 
     def __init__(self, pager: KvPager, key, src, j: int, layers, slots: dict):
         self.pager, self.key, self.src, self.j, self.layers, self.slots = pager, key, src, j, layers, slots
-        self.gen = None
+        self.gen: Any = None
 
     def step(self):
         p = self.pager

@@ -148,7 +148,7 @@ def simulate(hw: Hardware, *, B: int, kv_full: float, c: float, x: int, accept: 
     window = max(window, x + S + 2)
 
     # per-request state
-    verify_at = [None] * B  # iteration of the next verify
+    verify_at: list = [None] * B  # iteration of the next verify (None: not scheduled)
     drafted = [0] * B
     xfer_done = [math.inf] * B  # time its transfer finishes
     in_hbm = [False] * B  # its full cache is in HBM (or on its way)

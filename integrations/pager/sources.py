@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class KvzSource(_Counted):
         super().__init__()
         if isinstance(source, (str, os.PathLike)):
             self.path = os.fspath(source)
-            self._buf = map_file(self.path)
+            self._buf: Any = map_file(self.path)  # or the caller's bytes; b"" once closed
             self._mapped = True
         else:
             self.path = "<bytes>"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -121,7 +122,7 @@ class KvzHiCacheStorage(HiCacheStorage):
         if getattr(storage_config, "pp_size", 1) > 1:
             suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
         self.suffix = suffix
-        self.mem_pool_host = None
+        self.mem_pool_host: Any = None  # set by register_mem_pool_host
         self._dropped = None
         self.stats = {"set": 0, "get_hit": 0, "get_miss": 0, "searched_positions": 0}
 

@@ -76,7 +76,7 @@ def greedy_reference(model, context_kv, first_token: int, n_new: int, *, start: 
             gap = min(gap, top2_gap(logits))
             cur = int(logits.argmax())
             toks.append(cur)
-        info = {"seconds": time.perf_counter() - t0, "min_top2_gap": gap}
+        info: dict = {"seconds": time.perf_counter() - t0, "min_top2_gap": gap}
         if return_kv:
             info["kv"] = [(layer.keys[..., -min(n_new, layer.keys.shape[-2]):, :].clone(),
                            layer.values[..., -min(n_new, layer.values.shape[-2]):, :].clone())
@@ -161,7 +161,7 @@ class VeriCacheDecoder:
         model, greedy = self.model, self.temperature == 0
         n0 = self.n0 + self.offset  # the position of the first token after the context
         n_layers = text_config(model).num_hidden_layers
-        tail = [[] for _ in range(n_layers)]  # exact K/V chunks of consumed tokens, per layer
+        tail: list[list] = [[] for _ in range(n_layers)]  # exact K/V chunks of consumed tokens, per layer
         res = GenerationResult(tokens=[])
         cur, m = int(first_token), 0
         t_start = time.perf_counter()

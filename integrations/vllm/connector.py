@@ -77,6 +77,8 @@ from .paged import PagedLayout, save_kv
 from .store import DEFAULT_EPS, BlockStore, open_backend, warn
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -124,7 +126,7 @@ class KvzConnector(KVConnectorBase_V1):
                              "(auto, default, balanced or fast)")
         self.profile_choice: dict = {"profile": None if self.profile_setting == "auto" else self.profile_setting,
                                      "setting": self.profile_setting, "reason": "as configured"}
-        kw = {}
+        kw: dict[str, Any] = {}
         if get("budget_bytes", None) is not None:
             kw["budget_bytes"] = int(get("budget_bytes", None))
         if get("namespace", None) is not None:
@@ -142,12 +144,12 @@ class KvzConnector(KVConnectorBase_V1):
         self._reqs: dict[str, RequestState] = {}
         # worker side
         self._kv: list[tuple[str, torch.Tensor]] = []
-        self._paged: PagedLayout | None = None
+        self._paged: PagedLayout = None  # type: ignore[assignment]  # set by register_kv_caches, before any load
         self._load_errors: set[int] = set()
-        self._step = None
+        self._step: Any = None  # the step's StepLoad while it loads
         self._step_waited: set[int] = set()
         self._layer_of: dict[str, int] = {}
-        self._load_pool = None
+        self._load_pool: ThreadPoolExecutor | None = None
         self._load_future = None
         self.layerwise = bool(get("layerwise", True))
         self.load_deadline_s = float(get("load_deadline_s", 30.0))
@@ -191,6 +193,7 @@ class KvzConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvzConnectorMetadata()
+        st: RequestState | None
         for new in scheduler_output.scheduled_new_reqs:
             ids = list(new.prompt_token_ids or [])
             st = RequestState(ids, list(new.block_ids[0]), len(ids))
@@ -424,18 +427,19 @@ class KvzConnector(KVConnectorBase_V1):
 
     def _saver(self) -> queue.Queue:
         if self._save_q is None:
-            self._save_q = queue.Queue()
+            q: queue.Queue = queue.Queue()
+            self._save_q = q
 
             def run():
                 self.wait_ready()  # the profile (auto) is chosen before the first save
                 while True:
-                    job = self._save_q.get()
+                    job = q.get()
                     try:
                         if job is None:
                             return
                         self.store.put_run(*job)
                     finally:
-                        self._save_q.task_done()
+                        q.task_done()
 
             self._save_thread = threading.Thread(target=run, name="kvz-save", daemon=True)
             self._save_thread.start()

@@ -81,7 +81,7 @@ def _dir_bytes(path) -> int:
 
 
 def _snapshot(conn, example_path=None) -> dict:
-    out = {"runs": []}
+    out: dict = {"runs": []}
     if conn is not None and hasattr(conn, "store"):
         out.update({k: v for k, v in conn.timings.items()})
         out.update(getattr(type(conn), "scheduler_timings", {}))  # the scheduler's instance (same process)
@@ -131,7 +131,7 @@ def run(spec: dict) -> dict:
             if conn is not None and hasattr(conn, "flush"):
                 conn.flush()
             before = _snapshot(conn, ex_path if ktc and ktc["kv_connector"] == "ExampleConnector" else None)
-            probe = {}
+            probe: dict = {}
             if spec.get("ttft_probe"):  # a 1-token request first: wall and CPU seconds to the first token
                 c1, t1 = time.process_time(), time.perf_counter()
                 o1 = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], sp1, use_tqdm=False)[0]

@@ -22,7 +22,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["parse_cpus", "load_cores", "LayerPrefetch", "LoadJob", "StepLoad"]
 
@@ -93,7 +95,7 @@ class LayerPrefetch:
         self.name = getattr(blob, "name", "<store entry>")
         self.spans = sorted(spans)
         self.deadline = deadline
-        self._data: dict[int, object] = {}
+        self._data: dict[int, memoryview] = {}
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._stop = False
@@ -171,9 +173,9 @@ class StepLoad:
 
     jobs: list
     n_layers: int
-    write: object
+    write: Callable[..., Any]
     deadline_s: float
-    warn: object = print
+    warn: Callable[..., Any] = print
     started: float = field(default_factory=time.monotonic)
     ready: int = 0  # layers in place for every job still loading
     cancelled: bool = False

@@ -111,8 +111,9 @@ class BlockStore:
         self._bind = hashlib.sha256(json.dumps(self.binding, sort_keys=True, separators=(",", ":")).encode()).digest()
         self._lock = threading.Lock()
         self.runs: list[dict] = []  # what this object stored: key, first block, blocks, bytes
-        self.counters = dict.fromkeys(("lookups", "hit_blocks", "misses", "runs_stored", "blocks_stored",
-                                       "stored_bytes", "raw_bytes", "bad_entries", "encode_s", "decode_s"), 0)
+        self.counters: dict[str, float] = dict.fromkeys(
+            ("lookups", "hit_blocks", "misses", "runs_stored", "blocks_stored", "stored_bytes", "raw_bytes",
+             "bad_entries", "encode_s", "decode_s"), 0)
 
     # -- keys --------------------------------------------------------------------------------------
     def block_hashes(self, token_ids, n_blocks: int) -> list[str]:
@@ -263,7 +264,7 @@ class BlockStore:
 
         import torch
 
-        from alignpred import Cache, KvzReader, compress
+        from alignpred import Cache, KvzReader, compress_bytes
 
         t0 = time.perf_counter()
         L, H, d = self.shape
@@ -272,8 +273,8 @@ class BlockStore:
         kv = [tuple(torch.randn(H, self.block_size, d, generator=g).to(dt) for _ in range(2)) for _ in range(L)]
         meta = {"layer_types": self.layer_types, "keys_roped": True, "rope_theta": self.rope_theta}
         for name in dict.fromkeys((self.profile, "default", "fast")):
-            blob = compress(Cache.from_arrays(kv, meta), None, eps=self.eps, bank=self.bank, config=self.config,
-                            lossless=self.lossless, threads=self.threads, profile=name).data
+            blob = compress_bytes(Cache.from_arrays(kv, meta), eps=self.eps, bank=self.bank, config=self.config,
+                                  lossless=self.lossless, threads=self.threads, profile=name)
             KvzReader(memoryview(blob), bank=self.bank, session=self.session, threads=self.threads).read()
         return time.perf_counter() - t0
 
@@ -284,7 +285,7 @@ class BlockStore:
         with one pointer per block. Returns the bytes stored (0 on failure, after a warning)."""
         import time
 
-        from alignpred import Cache, compress
+        from alignpred import Cache, compress_bytes
 
         t0 = time.perf_counter()
         bs = self.block_size
@@ -295,8 +296,8 @@ class BlockStore:
                     "rope_theta": self.rope_theta, "rope_pairing": "half",
                     "position_offset": int(first_block * bs), BLOCKS_META: json.dumps(digests)}
             cache = Cache.from_arrays(kv, meta)
-            blob = compress(cache, None, eps=self.eps, bank=self.bank, config=self.config,
-                            lossless=self.lossless, threads=self.threads, profile=self.profile).data
+            blob = compress_bytes(cache, eps=self.eps, bank=self.bank, config=self.config,
+                                  lossless=self.lossless, threads=self.threads, profile=self.profile)
             rk = self.run_key(hashes[-1])
             if not self.backend.put(rk, blob, meta={"start": int(first_block * bs), "blocks": n},
                                     importance=float(n * bs)):
