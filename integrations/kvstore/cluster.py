@@ -79,6 +79,7 @@ class RedisClusterBackend(RedisBackend):
     """
 
     kind = "redis-cluster"
+    _retry_unavailable = True
     _url_schemes: tuple[str, ...] = ("redis+cluster", "rediss+cluster")
     _url_hint = "redis+cluster://host:port,host:port/ or rediss+cluster://..."
 
@@ -117,16 +118,50 @@ class RedisClusterBackend(RedisBackend):
             if self._username is not None:
                 kw["username"] = self._username
             nodes = [ClusterNode(h, p) for h, p in parse_nodes(self._raw_url)]
-            client = RedisCluster(startup_nodes=nodes, **kw)
+            try:
+                client = RedisCluster(startup_nodes=nodes, **kw)
+            except Exception as e:  # noqa: BLE001 - redis-py words a refusal as "cluster mode is not enabled"
+                self._diagnose(kw, e)
+                raise
             self._register(client)
             self._client = client
         return self._client
+
+    def _diagnose(self, kw: dict, exc: BaseException) -> None:
+        """Why no startup node would give its slot map: raise the first node's own error (a wrong
+        password, an ACL refusal) when it has one; return when every node is just unreachable."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        plain = {k: v for k, v in kw.items() if k not in ("retry", "require_full_coverage")}
+        for h, p in parse_nodes(self._raw_url):
+            c = redis.Redis(h, p, retry=Retry(NoBackoff(), 0), **plain)
+            try:
+                c.execute_command("CLUSTER", "SLOTS")
+            except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError):
+                raise
+            except redis.exceptions.ResponseError as e:
+                if any(s in str(e) for s in ("NOPERM", "WRONGPASS", "NOAUTH")):
+                    raise
+            except (redis.exceptions.RedisError, OSError):
+                continue
+            finally:
+                c.close()
 
     def _whole_store_down(self, exc) -> bool:
         import redis.exceptions as rex
 
         return self._client is None or isinstance(exc, rex.RedisClusterException) or \
             type(exc).__name__ == "RedisClusterUnreachableError"
+
+    def _node_of(self, shard: int) -> str | None:
+        if self._client is None:
+            return None
+        try:
+            return self._client.get_node_from_key(self._tags[shard]).name
+        except Exception:  # noqa: BLE001 - no slot map yet
+            return None
 
     def _entry_pattern(self) -> str:
         return _glob_escape("{" + self.namespace + "/") + "*}:e:*"

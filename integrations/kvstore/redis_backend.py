@@ -191,8 +191,9 @@ def describe_error(exc: BaseException) -> tuple[str, type]:
     import redis.exceptions as rex
 
     text = str(exc)
-    if isinstance(exc, rex.AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH", "invalid username")) or \
-            "Authentication required" in text:
+    if isinstance(exc, rex.AuthenticationError) or \
+            any(s in text for s in ("WRONGPASS", "NOAUTH", "invalid username", "Authentication required",
+                                    "authenticate the client")):
         return (f"authentication failed: wrong user or password ({type(exc).__name__}; credentials come from "
                 f"the URL or {USERNAME_ENV}/{PASSWORD_ENV})"), StoreAccessWarning
     if isinstance(exc, rex.NoPermissionError) or "NOPERM" in text:
@@ -254,6 +255,7 @@ class RedisBackend(ChunkBackend):
     """
 
     kind = "redis"
+    _retry_unavailable = False
     _url_schemes: tuple[str, ...] = _SCHEMES
     _url_hint = "redis://host:port/db, rediss://... or unix://path"
 
@@ -297,6 +299,7 @@ class RedisBackend(ChunkBackend):
         self._tags = self._shard_tags()
         self._client = None
         self._client = self._connect()
+        self._failing_keys: set = set()  # shards (or "all") failing since their last success
         self._down_at: dict = {}  # shard (or "all") -> monotonic time of its last failure while unreachable
         self._last_t = 0.0
 
@@ -368,37 +371,61 @@ class RedisBackend(ChunkBackend):
         ``shard``: the one shard ``fn`` touches (None: several); an unreachable node makes calls on
         its shard (or on all, for a one-node store) answer without the network for a while."""
         self._check_open()
+        k = shard if shard is not None and self.shards > 1 else "all"
+        node = self._node_of(shard) if k != "all" else None
         now = time.monotonic()
-        for k in ("all", shard):
-            t = self._down_at.get(k)
+        for d in {"all", k, node}:
+            t = self._down_at.get(d)
             if t is not None and now - t < self.reconnect_interval:
                 self._counters["errors"] += 1
                 return default, False
         try:
-            out = fn()
+            try:
+                out = fn()
+            except self._conn_errors as e:
+                # a cluster client's topology refresh (after another node failed) can fail a call on a
+                # healthy shard once, naming the other node: that call is tried again
+                if not self._retry_unavailable or k == "all" or node is None or node in str(e) or \
+                        isinstance(e, self._auth_errors):
+                    raise
+                out = fn()
         except self._errors as e:
             reason, category = describe_error(e)
             if category is StoreUnavailableWarning:
-                self._down_at["all" if (shard is None or self.shards == 1) and self._whole_store_down(e)
-                              else shard] = time.monotonic()
-            self._failed_reason(f"{what} at {self.url}", reason, category)
+                t = time.monotonic()
+                if k == "all":
+                    self._down_at["all" if self._whole_store_down(e) else k] = t
+                else:  # every shard of that node rests, not only this one
+                    self._down_at[node if node is not None and node in str(e) else k] = t
+            self._failed_reason(k, f"{what} at {self.url}", reason, category)
             return default, False
-        self._down_at.pop(shard, None)
+        self._down_at.pop(k, None)
         self._down_at.pop("all", None)
-        self._succeeded()
+        if node is not None:
+            self._down_at.pop(node, None)
+        if k == "all":
+            self._failing_keys.clear()
+        else:
+            self._failing_keys.discard(k)
         return out, True
 
     def _whole_store_down(self, exc) -> bool:
         return True
 
-    def _failed_reason(self, what: str, reason: str, category) -> None:
+    def _node_of(self, shard: int) -> str | None:
+        """``host:port`` of the node that serves ``shard`` now (a cluster), or None."""
+        return None
+
+    def _failed_reason(self, k, what: str, reason: str, category) -> None:
+        """Count a failure; warn when the store goes from working to failing (one warning per outage:
+        a shard that keeps failing while others work does not warn again until it has worked)."""
         import warnings
 
         self._counters["errors"] += 1
-        if not self._failing:
-            self._failing = True
+        if not self._failing_keys:
             warnings.warn(category(f"{type(self).__name__}: {what} failed: {reason}; "
                                    f"answering misses/False until it works again"), stacklevel=5)
+        self._failing_keys.add(k)
 
     def check(self) -> dict:
         """Reach the store once (every node of a cluster) and return :meth:`store_stats`; raises

@@ -390,6 +390,41 @@ class RedisClusterServer:
 
         return self.master_of_slot(key_slot(key.encode() if isinstance(key, str) else key))
 
+    def migrate_slot(self, slot: int, dst: int, *, batch: int = 50, pause_s: float = 0.0) -> int:
+        """Move ``slot`` to master ``dst`` as ``redis-cli --cluster reshard`` does (SETSLOT IMPORTING /
+        MIGRATING, MIGRATE of its keys in batches, SETSLOT NODE on every master); returns the keys
+        moved. ``pause_s`` between batches leaves the slot half-migrated for a while (clients get
+        ASK redirects meanwhile)."""
+        src = self.master_of_slot(slot)
+        if src == dst:
+            return 0
+        cs, cd = self.client(src), self.client(dst)
+        moved = 0
+        try:
+            src_id = cs.execute_command("CLUSTER", "MYID").decode()
+            dst_id = cd.execute_command("CLUSTER", "MYID").decode()
+            cd.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+            cs.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+            auth = ["AUTH", self.password] if self.password else []
+            while True:
+                keys = cs.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch)
+                if not keys:
+                    break
+                cs.execute_command("MIGRATE", self.host, self.nodes[dst].port, "", 0, 5000, *auth, "KEYS", *keys)
+                moved += len(keys)
+                if pause_s:
+                    time.sleep(pause_s)
+            for i in self.masters():
+                c = self.client(i)
+                try:
+                    c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+                finally:
+                    c.close()
+        finally:
+            cs.close()
+            cd.close()
+        return moved
+
     def kill(self, i: int) -> None:
         """SIGKILL node ``i`` (a crash). Its replica is promoted after ``node_timeout_ms`` (+ ~1 s)."""
         self.nodes[i].kill()
