@@ -18,6 +18,7 @@ from alignpred.errors import KvzError, OutputExistsError
 from kvz import __version__
 from kvz.cli.calibrate_cmd import model_options as _calibrate_model_options  # imports only click
 from kvz.cli.startup import NoBar, exit_process, skip_numba_blas_probe  # noqa: F401  (re-exported)
+from kvz.cli.store_cmd import store as _store_cmd  # imports only click
 from kvz.cli.warmup_cmd import warmup as _warmup_cmd  # imports only click
 
 PROFILE_NAMES = ["default", "balanced", "fast"]  # alignpred.codec.profiles.PROFILES (not imported: start-up)
@@ -486,6 +487,7 @@ def _register_optional():
 
 _register_optional()
 cli.add_command(_warmup_cmd)
+cli.add_command(_store_cmd)
 
 
 def main():

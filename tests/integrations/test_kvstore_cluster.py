@@ -32,12 +32,17 @@ from kvz.integrations.kvstore import (
     StoreWarning,
     open_url,
 )
-from kvz.integrations.kvstore.server import _free_port, redis_cluster_fixture, require_redis
+from kvz.integrations.kvstore.server import _free_port, redis_cluster_fixture, redis_server_fixture, require_redis
 
 
 @pytest.fixture(scope="module")
 def cluster():
     yield from redis_cluster_fixture()
+
+
+@pytest.fixture(scope="module")
+def redis_node():
+    yield from redis_server_fixture()
 
 
 def fresh_cluster(**kw):
@@ -189,7 +194,7 @@ def test_master_killed_during_reads_and_saves_then_failover_and_return():
             assert s.put(k, blob_for(k))
         time.sleep(0.2)  # let the replicas catch up (replication is asynchronous)
         stop = threading.Event()
-        errors, bad, counts = [], [], Counter()
+        errors, bad, counts = [], [], Counter[str]()
 
         def reader(r):
             try:
@@ -269,7 +274,7 @@ def test_ranged_read_of_a_dead_master_raises_store_read_error():
         s = RedisClusterBackend(cl.url, namespace=ns(), reconnect_interval=0)
         s.put("k", os.urandom(50_000))
         b = s.open_blob("k")
-        assert len(b.read_range(0, 100)) == 100
+        assert b is not None and len(b.read_range(0, 100)) == 100
         cl.kill(cl.master_of_key(s.entry_key("k")))
         with pytest.warns(StoreUnavailableWarning), pytest.raises(StoreReadError):
             b.read_range(100, 100)
@@ -327,7 +332,7 @@ def test_slot_migration_while_reading(cluster):
     slot = key_slot(s._tags[0].encode())
     src = cluster.master_of_slot(slot)
     dst = next(i for i in cluster.masters() if i != src)
-    stop, bad, errors, counts = threading.Event(), [], [], Counter()
+    stop, bad, errors, counts = threading.Event(), [], [], Counter[str]()
 
     def reader():
         try:
@@ -430,6 +435,11 @@ def test_wrong_password_missing_acl_and_unreachable(monkeypatch):
             with pytest.raises(StoreUnavailableError, match=text):
                 s.check()
             s.close()
+            r = run_cli("store", "stats", url, "--namespace", namespace)  # the CLI: one error line, exit 1
+            lines = r.stderr.strip().splitlines()
+            assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: ") and text in lines[0], \
+                (name, r.stderr)
+            assert "pw" not in lines[0].replace("***", "") and r.stdout == ""
         # the allowed user on its own keys works
         ok = RedisClusterBackend(cl.url.replace("://", "://kvz:kvz-pw@"), namespace="allowed")
         with warnings.catch_warnings():
@@ -439,6 +449,57 @@ def test_wrong_password_missing_acl_and_unreachable(monkeypatch):
         good.close()
     finally:
         cl.close()
+
+
+# ---- kvz store stats / gc ------------------------------------------------------------------------------
+def run_cli(*args):
+    import click
+    from click.testing import CliRunner
+
+    from kvz.cli.main import cli
+
+    kw: dict = {} if tuple(int(x) for x in str(click.__version__).split(".")[:2]) >= (8, 2) else {"mix_stderr": False}
+    runner = CliRunner(**kw)  # click >= 8.2 keeps stderr apart by itself
+    return runner.invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_cli_store_stats_and_gc(cluster, redis_node, tmp_path):
+    import json
+
+    namespace = ns()
+    stores: dict[str, tuple] = {"directory": (str(tmp_path / "d"), DirectoryBackend(str(tmp_path / "d"))),
+              "redis": (redis_node.url, RedisBackend(redis_node.url, namespace=namespace)),
+              "redis-cluster": (cluster.url, RedisClusterBackend(cluster.url, namespace=namespace))}
+    for kind, (url, s) in stores.items():
+        for i in range(5):
+            s.put(f"k{i}", blob_for(f"k{i}"))
+        s.get("k0"), s.get("k1"), s.get("nope")
+        if kind == "directory":
+            open(os.path.join(url, ".tmp-dead-writer"), "wb").close()
+            t = time.time() - 120  # older than gc's minute (a scan drops those older than an hour by itself)
+            os.utime(os.path.join(url, ".tmp-dead-writer"), (t, t))
+        else:  # an entry whose bookkeeping the server evicted, and bookkeeping whose entry it evicted
+            c = s._get_client()
+            ek = s.entry_key("k2")
+            sh = s._shard_of(b"k3")
+            c.zrem(s._keys_of(sh)[1], "k3")
+            c.delete(ek)
+        s.close()
+        r = run_cli("store", "stats", url, "--namespace", namespace, "--json")
+        assert r.exit_code == 0, r.stderr
+        st = json.loads(r.stdout)
+        assert (st["backend"], st["hits"], st["misses"], st["corrupt"]) == (kind, 2, 1, 0), st
+        assert {"entries", "bytes", "evicted", "lost", "puts"} <= set(st) and st["puts"] == 5
+        r = run_cli("store", "gc", url, "--namespace", namespace, "--json")
+        assert r.exit_code == 0, r.stderr
+        g = json.loads(r.stdout)
+        assert (g["orphans"], g["stale"]) == ((1, 0) if kind == "directory" else (1, 1)), (kind, g)
+        again = json.loads(run_cli("store", "gc", url, "--namespace", namespace, "--json").stdout)
+        assert again["orphans"] == again["stale"] == 0
+        r = run_cli("store", "stats", url, "--namespace", namespace)
+        assert r.exit_code == 0 and "entries  " + str(5 if kind == "directory" else 3) in r.stdout, r.stdout
+    r = run_cli("store", "stats", str(tmp_path / "missing"))
+    assert r.exit_code == 1 and r.stderr.startswith("Error: no store directory")
 
 
 # ---- what the adapters build on a cluster -------------------------------------------------------------
