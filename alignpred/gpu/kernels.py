@@ -35,6 +35,21 @@ FLOAT_OPTS: dict = {} if SIMULATED else {"enable_fp_fusion": False}
 OUT_F32, OUT_BF16, OUT_F16 = 0, 1, 2
 
 
+# triton.language's own tl.sum / tl.max / tl.cumsum are @triton.jit functions, decorated when triton
+# was first imported: if that was before TRITON_INTERPRET=1 was set here (another module imported
+# triton first), the interpreter cannot call them. These combine functions are defined here, so
+# they follow this module's mode; tl.reduce and tl.associative_scan themselves are builtins.
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # entropy: lanes32 (alignpred.entropy.lanes.decode_portable / lane_step, kvz.md §7.3)
 
@@ -64,11 +79,11 @@ def lanes32_kernel(w_ptr, obj_off_ptr, obj_W_ptr, obj_hw_ptr, obj_N_ptr, obj_n_p
     c_lo = tl.load(w_ptr + wbase + tl.where(wide, 64 + 2 * ln, 64 + ln), mask=rd, other=0).to(tl.int64)
     c_hi = tl.load(w_ptr + wbase + 64 + 2 * ln + 1, mask=rd & wide, other=0).to(tl.int64)
     cnt = c_lo | (c_hi << 16)
-    pref = tl.cumsum(cnt, axis=1) - cnt
+    pref = tl.associative_scan(cnt, 1, _add) - cnt
     pos = hw + pref
     end = pos + cnt
-    total = hw + tl.sum(cnt, axis=1)[:, None]
-    bad_state = tl.max((x < 65536).to(tl.int32), axis=1)[:, None] > 0
+    total = hw + tl.reduce(cnt, 1, _add)[:, None]
+    bad_state = tl.reduce((x < 65536).to(tl.int32), 1, _max)[:, None] > 0
     err = tl.where(short, 1, tl.where(bad_state, 3, tl.where(total != W, 2, 0)))
     ok = valid & (err == 0)
     for k in range(0, n_iter):
@@ -110,8 +125,8 @@ def lanes32_kernel(w_ptr, obj_off_ptr, obj_W_ptr, obj_hw_ptr, obj_N_ptr, obj_n_p
         u = tl.where(tok < 16, tok, big)
         v = ((u >> 1) ^ (-(u & 1))).to(tl.int32)
         tl.store(out_ptr + out_off + c * row_stride + t, v, mask=act)
-    words_bad = tl.max((pos != end).to(tl.int32), axis=1)[:, None] > 0
-    final_bad = tl.max((x != 65536).to(tl.int32), axis=1)[:, None] > 0
+    words_bad = tl.reduce((pos != end).to(tl.int32), 1, _max)[:, None] > 0
+    final_bad = tl.reduce((x != 65536).to(tl.int32), 1, _max)[:, None] > 0
     err = tl.where(err != 0, err, tl.where(words_bad, 5, tl.where(final_bad, 4, 0)))
     tl.store(err_ptr + o + ln * 0, err, mask=valid & (ln == 0))
 
@@ -152,7 +167,7 @@ def rans4_kernel(w_ptr, obj_off_ptr, obj_W_ptr, obj_N_ptr, obj_n_ptr, obj_ids_pt
     ok = valid & (~bad)
     last = W - 1
     pos = tl.full(o.shape, 8, tl.int64)
-    bitpos = tl.zeros(o.shape, tl.int64)
+    bitpos = tl.full(o.shape, 0, tl.int64)
     for g in range(0, n_iter):
         # lane 0: symbol 4g+0
         i = 4 * g + 0
@@ -391,8 +406,8 @@ def quant_rows_kernel(x_ptr, x_stride, p2_ptr, xq_ptr, xexp_ptr, n, K, KP: tl.co
     bits = xv.to(tl.int64, bitcast=True)
     nonfin = ((bits >> 52) & 0x7FF) == 0x7FF
     a = tl.where(nonfin, 0.0, tl.abs(xv))
-    mx = tl.max(a, axis=1)[:, None]
-    anynf = tl.max(nonfin.to(tl.int32), axis=1)[:, None] > 0
+    mx = tl.reduce(a, 1, _max)[:, None]
+    anynf = tl.reduce(nonfin.to(tl.int32), 1, _max)[:, None] > 0
     e = ((mx.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1022
     e = tl.where(mx > 0.0, e, 0)
     xe = tl.where(anynf, -13, e - 13)
@@ -416,7 +431,7 @@ def map_kernel(xq_ptr, xexp_ptr, wq_ptr, wexp_ptr, y_ptr, y_stride, n, n_out, S_
     kk = tl.arange(0, KP)
     j = tl.arange(0, NP)[None, :]
     rm = r < n
-    y = tl.zeros((BR, NP), tl.float64)
+    y = tl.full((BR, NP), 0.0, tl.float64)
     for s in range(0, S_src):
         xq = tl.load(xq_ptr + s * n * KP + r * KP + kk[None, :], mask=rm, other=0.0)
         wq = tl.load(wq_ptr + s * KP * NP + kk[:, None] * NP + j)
