@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # kvz inside SGLang HiCache: a fresh venv with the CPU torch, SGLang 0.5.23 without its dependencies
 # (they pin a CUDA torch 2.14.1) plus the pure-Python ones its KV-cache modules import, and kvz
-# editable; then the adapter tests against the real package. torchvision is not installed (PyPI's
-# build needs CUDA); the tests put a stand-in on SGLang's import path (tests/integrations/sglang_engine/
-# _torchvision_shim.py). Called from .ci/run; the venv lives outside the repository.
+# editable; then the adapter tests against the real package, and the README's
+# `python -m kvz.benchmarks.engines --engines sglang`. torchvision is not installed (PyPI's build needs
+# CUDA): the tests and the benchmark put a stand-in on SGLang's import path
+# (kvz.integrations.sglang.install_torchvision_stub). Called from .ci/run; the venv lives outside the repository.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVZ_CI_VENVS:-${TMPDIR:-/tmp}/kvz-ci-venvs}/sglang"

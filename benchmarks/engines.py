@@ -241,25 +241,27 @@ def sglang_rows(reps: int):
 
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "tests", "integrations", "sglang"))
-    import _torchvision_shim  # noqa: E402
+    from kvz.integrations.sglang import (
+        cpu_host_pool,
+        hicache_extra,
+        install_torchvision_stub,
+        page_to_pairs,
+        storage_config,
+    )
 
-    _torchvision_shim.install()
+    install_torchvision_stub()  # before SGLang's import: PyPI's torchvision needs CUDA
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-    from sglang_testlib import host_pool, kvz_extra, storage_config  # noqa: E402
-
-    from kvz.integrations.sglang import page_to_pairs
 
     P = 64
     chunks, _ = load_chunks()
     rows = []
     for layout in ("layer_first", "page_first", "page_first_direct", "page_head"):
         for lossless in (False, True):
-            pool = host_pool(layout)
+            pool = cpu_host_pool(layout)
             with tempfile.TemporaryDirectory() as d:
-                be = StorageBackendFactory.create_backend(
-                    "dynamic", storage_config(kvz_extra(d, kvz_lossless=lossless)), pool)
+                extra = hicache_extra(d, os.path.join(SAMPLES, NAMES[0] + ".safetensors"), kvz_lossless=lossless)
+                be = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
                 be.register_mem_pool_host(pool)
                 name, start, x = chunks[0]  # [2, L, 256, HD]: four 64-token pages at positions 0..192
                 c = x.reshape(2, x.shape[1], T, 1, -1)

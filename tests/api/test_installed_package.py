@@ -80,3 +80,71 @@ def test_nrmse_zero_norm_rule():
     assert nrmse(x, x * 1.5) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         nrmse(x, x.ravel())
+
+
+# ---------------------------------------------------------------------------- no tests/ in the package
+def _docstrings(tree) -> set[int]:
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+
+
+def test_installed_package_never_reaches_into_tests():
+    """No installed module builds a path into ``tests/`` (a string ``"tests"`` or ``"tests/..."`` in its
+    code; docstrings may name test files) or imports a module that lives there (issue 41, item 8:
+    the engines benchmark put ``tests/integrations/sglang`` on ``sys.path`` for SGLang's helpers)."""
+    test_modules = {p.stem for p in (ROOT / "tests").rglob("*.py")}
+    bad = []
+    for p in installed_sources():
+        tree = ast.parse(p.read_text(), str(p))
+        docs = _docstrings(tree)
+        where = p.relative_to(ROOT)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
+                if n.value.strip("/\\") == "tests" or "tests/" in n.value or "tests\\" in n.value:
+                    bad.append(f"{where}:{n.lineno}: {n.value[:80]!r}")
+            elif isinstance(n, ast.Import):
+                bad += [f"{where}:{n.lineno}: import {a.name}" for a in n.names if a.name.split(".")[0] in test_modules]
+            elif isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] in test_modules:
+                bad.append(f"{where}:{n.lineno}: from {n.module} import ...")
+    assert not bad, "\n".join(bad)
+
+
+def _readme_engine_commands() -> list[list[str]]:
+    import re
+    import shlex
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    cmds = sorted(set(re.findall(r"`(python -m kvz\.benchmarks\.engines[^`]*)`", text)))
+    return [shlex.split(c)[1:] for c in cmds]  # without "python"
+
+
+def test_readme_names_the_engine_commands():
+    cmds = _readme_engine_commands()
+    assert ["-m", "kvz.benchmarks.engines", "--engines", "sglang"] in cmds and len(cmds) >= 2, cmds
+
+
+@pytest.mark.parametrize("args", _readme_engine_commands(), ids=" ".join)
+def test_readme_engine_command_parses(args):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, *args, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and "--engines" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("args", _readme_engine_commands(), ids=" ".join)
+def test_readme_engine_command_needs_only_the_engine(args, tmp_path):
+    """Run as the README writes it, in a venv without the engine: it stops on the engine's own
+    import (exit 2, the message names the engine), not on anything of kvz's (it stopped on
+    ``No module named '_torchvision_shim'``). The engine venvs run it for real
+    (``tests/integrations/sglang_engine/test_engines_benchmark.py``)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    engine = args[args.index("--engines") + 1] if "--engines" in args else "lmcache"
+    if importlib.util.find_spec(engine) is not None:
+        pytest.skip(f"{engine} is installed here: its engine tests run the command")
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and f"No module named '{engine}" in r.stderr, (r.returncode, r.stderr[-2000:])

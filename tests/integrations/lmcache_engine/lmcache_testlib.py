@@ -9,6 +9,8 @@ import warnings
 import numpy as np
 import pytest
 
+from alignpred import nrmse
+
 HAVE_LMCACHE = importlib.util.find_spec("lmcache") is not None and importlib.util.find_spec("torch") is not None
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -84,12 +86,6 @@ def lm_config(chunk_size=256, **kw):
     if remote:
         cfg.remote_storage_plugins = remote
     return cfg
-
-
-def nrmse(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(a * a)))
 
 
 def chunk_errors(ref_kv, got_kv, start, end):
