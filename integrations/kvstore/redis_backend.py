@@ -371,8 +371,10 @@ class RedisBackend(ChunkBackend):
         ``shard``: the one shard ``fn`` touches (None: several); an unreachable node makes calls on
         its shard (or on all, for a one-node store) answer without the network for a while."""
         self._check_open()
-        k = shard if shard is not None and self.shards > 1 else "all"
-        node = self._node_of(shard) if k != "all" else None
+        # the key of this call's health: its shard (a cluster), "multi" (a cluster call on many
+        # shards), or "all" (one node: every call)
+        k = "all" if self.shards == 1 else (shard if shard is not None else "multi")
+        node = self._node_of(shard) if shard is not None and self.shards > 1 else None
         now = time.monotonic()
         for d in {"all", k, node}:
             t = self._down_at.get(d)
@@ -385,7 +387,7 @@ class RedisBackend(ChunkBackend):
             except self._conn_errors as e:
                 # a cluster client's topology refresh (after another node failed) can fail a call on a
                 # healthy shard once, naming the other node: that call is tried again
-                if not self._retry_unavailable or k == "all" or node is None or node in str(e) or \
+                if not self._retry_unavailable or shard is None or node is None or node in str(e) or \
                         isinstance(e, self._auth_errors):
                     raise
                 out = fn()
@@ -393,7 +395,7 @@ class RedisBackend(ChunkBackend):
             reason, category = describe_error(e)
             if category is StoreUnavailableWarning:
                 t = time.monotonic()
-                if k == "all":
+                if k in ("all", "multi"):
                     self._down_at["all" if self._whole_store_down(e) else k] = t
                 else:  # every shard of that node rests, not only this one
                     self._down_at[node if node is not None and node in str(e) else k] = t
@@ -403,7 +405,7 @@ class RedisBackend(ChunkBackend):
         self._down_at.pop("all", None)
         if node is not None:
             self._down_at.pop(node, None)
-        if k == "all":
+        if k in ("all", "multi"):
             self._failing_keys.clear()
         else:
             self._failing_keys.discard(k)
@@ -469,25 +471,22 @@ class RedisBackend(ChunkBackend):
         """Evict the lowest-scoring entries of all shards until their total fits the budget (not
         atomic with other clients' puts: the budget can be exceeded by the puts in flight, until
         the next put)."""
-        def totals():
+        def each_shard(cmd):
+            """``cmd(pipe, shard)`` on every shard; the replies, None for a shard that failed (its node down:
+            the budget is kept over the shards that answer)."""
             pipe = self._get_client().pipeline(transaction=False)
             for s in range(self.shards):
-                pipe.get(self._keys_of(s)[4])
-            return sum(int(v or 0) for v in pipe.execute())
+                cmd(pipe, s)
+            return [None if isinstance(v, Exception) else v for v in pipe.execute(raise_on_error=False)]
 
-        total, ok = self._call("eviction", totals, 0)
+        total, ok = self._call("eviction", lambda: sum(int(v or 0) for v in each_shard(
+            lambda p, s: p.get(self._keys_of(s)[4]))), 0)
         rounds = 0
         while ok and total > self.budget_bytes and rounds < 8:
             rounds += 1
-
-            def lowest():
-                pipe = self._get_client().pipeline(transaction=False)
-                for s in range(self.shards):
-                    pipe.zrange(self._keys_of(s)[1], 0, 3, withscores=True)
-                return pipe.execute()
-
-            lows, ok = self._call("eviction", lowest, [])
-            cands = sorted((sc, s, m) for s, rows in enumerate(lows) for m, sc in rows
+            lows, ok = self._call("eviction", lambda: each_shard(
+                lambda p, s: p.zrange(self._keys_of(s)[1], 0, 3, withscores=True)), [])
+            cands = sorted((sc, s, m) for s, rows in enumerate(lows) for m, sc in (rows or [])
                            if not (s == shard and m == member))
             if not cands:
                 return
@@ -497,7 +496,8 @@ class RedisBackend(ChunkBackend):
                 freed, ok = self._call("eviction", lambda: self._script("evict")(
                     keys=self._keys_of(s, m), args=[m, repr(sc)]), -1, s)
                 if not ok:
-                    return
+                    ok = True
+                    continue
                 if int(freed) >= 0:
                     total -= int(freed)
                     self._counters["evictions"] += 1

@@ -453,13 +453,15 @@ def test_wrong_password_missing_acl_and_unreachable(monkeypatch):
 
 # ---- kvz store stats / gc ------------------------------------------------------------------------------
 def run_cli(*args):
-    import click
+    import inspect
+
     from click.testing import CliRunner
 
     from kvz.cli.main import cli
 
-    kw: dict = {} if tuple(int(x) for x in str(click.__version__).split(".")[:2]) >= (8, 2) else {"mix_stderr": False}
-    runner = CliRunner(**kw)  # click >= 8.2 keeps stderr apart by itself
+    # click < 8.2 mixes stderr into stdout unless told not to; 8.2 keeps them apart (and has no mix_stderr)
+    kw: dict = {"mix_stderr": False} if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters else {}
+    runner = CliRunner(**kw)
     return runner.invoke(cli, list(args), catch_exceptions=False)
 
 
@@ -528,3 +530,22 @@ def test_chunk_store_over_the_cluster(cluster):
         assert all(np.array_equal(a, b) for (k, v), (gk, gv) in zip(want, got) for a, b in ((k, gk), (v, gv)))
     st.backend.clear()
     st.backend.close()
+
+
+# ---- the soak benchmark (benchmarks/store_soak.py), short ------------------------------------------------
+@pytest.mark.slow  # spawns processes and a cluster for ~25 s; CI's slow pass runs it
+def test_store_soak_short_run(tmp_path):
+    import json
+
+    require_redis()
+    from kvz.benchmarks import store_soak
+
+    out = tmp_path / "soak.json"
+    rc = store_soak.main(["--writers", "2", "--readers", "2", "--seconds", "10", "--keys", "200",
+                          "--budget-mb", "4", "--json", str(out), "--md", str(tmp_path / "soak.md")])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["processes_failed"] == 0, r["tracebacks"]
+    assert r["wrong_reads"] == r["partial_reads"] == 0 and r["orphaned_parts_after_gc"] == 0
+    assert r["leaked_bytes_after_gc"] == 0 and r["hits"] > 0 and r["puts_ok"] > 0
+    assert r["fault"]["failover_s"] < 30 and r["fault"]["rejoined_as"] == "replica"
+    assert r["store_stats"]["bytes"] <= 4 << 20
