@@ -6,7 +6,8 @@ store is proven to work across engines)::
     python -m kvz.integrations.vllm.harness SPEC.json OUT.json
 
 SPEC: ``{"model": dir, "prompts": [[ids]], "max_tokens": 8, "logprobs": 0, "store": null | "example"
-| {kvz extra config}, "max_model_len": 2048, "block_size": 128, "dtype": "bfloat16"}`` (optional:
+| {"kind": "vllm", "connector": name, "extra": {...}} (one of vLLM's own connectors) | {kvz extra config},
+"max_model_len": 2048, "block_size": 128, "dtype": "bfloat16"}`` (optional:
 ``"max_logprobs"``, vLLM's cap on ``logprobs`` (default 20); ``"detokenize": false``;
 ``"kl_reference": OUT.json`` of an earlier run of the same prompts: each result gets
 ``kl_vs_reference``, :func:`mean_kl` of that run's logprobs against this one's). Each prompt
@@ -55,6 +56,9 @@ def kv_transfer_config(store) -> dict | None:
         path = store.get("path") if isinstance(store, dict) else None
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": path or "/tmp/kvz-example"}}
+    if isinstance(store, dict) and store.get("kind") == "vllm":
+        return {"kv_connector": store["connector"], "kv_role": "kv_both",
+                "kv_connector_extra_config": dict(store.get("extra", {}))}
     extra = {k: v for k, v in store.items() if k != "kind"}
     return {"kv_connector": "KvzConnector", "kv_connector_module_path": "kvz.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}

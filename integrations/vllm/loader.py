@@ -20,6 +20,7 @@ write can land on blocks that are being recomputed — and reports their blocks 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -176,6 +177,7 @@ class StepLoad:
     write: Callable[..., Any]
     deadline_s: float
     warn: Callable[..., Any] = print
+    switch_interval_s: float | None = None  # the interpreter's switch interval while this step loads
     started: float = field(default_factory=time.monotonic)
     ready: int = 0  # layers in place for every job still loading
     cancelled: bool = False
@@ -202,6 +204,9 @@ class StepLoad:
 
     def run(self) -> None:
         """Decode every job layer by layer in lock-step (in kvz's load thread)."""
+        before = sys.getswitchinterval()
+        if self.switch_interval_s:
+            sys.setswitchinterval(self.switch_interval_s)
         try:
             for job in self.jobs:
                 try:
@@ -238,6 +243,8 @@ class StepLoad:
                     self.layer_ready_s.append(time.monotonic() - self.started)
                     self._cond.notify_all()
         finally:
+            if self.switch_interval_s:
+                sys.setswitchinterval(before)
             for job in self.jobs:
                 if job.closer is not None:
                     try:

@@ -43,7 +43,7 @@ def _filled(store, sample):
     return ids
 
 
-def _step(store, segs, deadline_s=30.0, on_write=None):
+def _step(store, segs, deadline_s=30.0, on_write=None, **kw):
     writes = []
 
     def write(job, i, k, v):
@@ -53,7 +53,7 @@ def _step(store, segs, deadline_s=30.0, on_write=None):
 
     jobs = [LoadJob("r", list(range(s.first, s.first + s.count)), list(range(s.first, N_BLOCKS)),
                     lambda d, s=s: store.open_segment(s, d, 1)) for s in segs]
-    step = StepLoad(jobs, 18, write, deadline_s, warn=lambda m: None)
+    step = StepLoad(jobs, 18, write, deadline_s, warn=lambda m: None, **kw)
     th = threading.Thread(target=step.run)
     th.start()
     return step, th, writes
@@ -78,6 +78,24 @@ def test_layer_by_layer_same_values_as_a_whole_read(tmp_path, sample):
     for _, i, k, v in writes:
         assert np.array_equal(k.view(np.uint16), want[f"layers.{i}.key"].view(np.uint16))
         assert np.array_equal(v.view(np.uint16), want[f"layers.{i}.value"].view(np.uint16))
+
+
+def test_switch_interval_while_loading_and_restored(tmp_path, sample):
+    """A step's load lowers the interpreter's switch interval while it decodes (the forward thread
+    holds the GIL between its ops) and puts the previous value back when it ends, failed or not."""
+    import sys
+
+    store = _store(DirectoryBackend(str(tmp_path)), sample)
+    ids = _filled(store, sample)
+    before = sys.getswitchinterval()
+    seen = []
+    _, segs = store.lookup(ids, N_BLOCKS)
+    step, th, writes = _step(store, segs, on_write=lambda i: seen.append(sys.getswitchinterval()),
+                             switch_interval_s=2e-4)
+    _forward(step)
+    th.join()
+    assert step.finish(True) == set() and len(writes) == 18
+    assert seen and all(abs(x - 2e-4) < 1e-9 for x in seen) and sys.getswitchinterval() == before
 
 
 def test_partial_hits(tmp_path, sample):
