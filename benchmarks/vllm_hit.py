@@ -5,6 +5,7 @@ the local directory store and over Redis behind a loopback link of 1 or 10 Gbit/
 the load ran under the forward.
 
     python -m kvz.benchmarks.vllm_reuse --hit [--sizes 8192] [--rounds 3] [--links 1g,10g] --json OUT --md OUT
+    python -m kvz.benchmarks.vllm_hit --from-json OUT --plot PNG [--md MD]   # again from the JSON (no vLLM)
 
 Engines run one at a time, pinned to core 0 (``VLLM_CPU_OMP_THREADS_BIND=0``); kvz's load thread
 takes the cores the engine does not bind (core 1 on a 2-core machine). Steps:
@@ -257,7 +258,30 @@ def plot(res: dict, path: str) -> None:
            color=["#888" if r["store"] == "example" else "#c44" if r["store"] == "recompute" else "#2a7"
                   for r in rows])
     ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("TTFT of the hit, s (median)")
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT of the hit, s (median, log scale)")
     ax.set_title(f"vLLM CPU, Gemma 3 270M, {res['size']}-token prefix hit")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    """Tables and the plot again from a ``vllm_reuse --hit --json`` result (no engine runs)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--from-json", required=True, help="the --json output of vllm_reuse --hit")
+    ap.add_argument("--plot", help="PNG of the last size's TTFT per store and link")
+    ap.add_argument("--md", help="markdown tables, one per size")
+    a = ap.parse_args(argv)
+    got = json.loads(Path(a.from_json).read_text())
+    results = got if isinstance(got, list) else [got]
+    if a.md:
+        Path(a.md).write_text("\n".join(markdown(r) for r in results))
+    if a.plot:
+        plot(results[-1], a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -240,6 +240,12 @@ def main(argv=None) -> int:
     ap.add_argument("--links", default="1g,10g", help="with --hit: link rates of the Redis rows (bits/s, k/m/g)")
     ap.add_argument("--plot", help="with --hit: a PNG of TTFT per store and link")
     a = ap.parse_args(argv)
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:  # before the engines run, not after
+            ap.error("--plot needs matplotlib (pip install matplotlib); or plot afterwards in kvz's own venv: "
+                     "python -m kvz.benchmarks.vllm_hit --from-json RESULT.json --plot OUT.png")
     if a.hit:
         return _hit_main(a, argv)
     global RESUME
