@@ -14,10 +14,12 @@ import click
 
 # Only the light part of kvz at import time (``kvz --help`` must start in well under 0.15 s): every
 # command imports the library it uses when it runs.
-from alignpred.errors import KvzError, OutputExistsError
+from alignpred.errors import KvzError
 from kvz import __version__
 from kvz.cli.calibrate_cmd import model_options as _calibrate_model_options  # imports only click
-from kvz.cli.startup import NoBar, exit_process, skip_numba_blas_probe  # noqa: F401  (re-exported)
+from kvz.cli.outputs import check_output as _check_output
+from kvz.cli.outputs import decompress_outputs as _decompress_outputs
+from kvz.cli.startup import NoBar, StartupClock, announce_compiles, exit_process, skip_numba_blas_probe  # noqa: F401
 from kvz.cli.store_cmd import store as _store_cmd  # imports only click
 from kvz.cli.warmup_cmd import warmup as _warmup_cmd  # imports only click
 
@@ -39,17 +41,6 @@ def _errors(fn):
         except MemoryError:
             raise click.ClickException("out of memory") from None
     return wrapper
-
-
-def _check_output(out: str, force: bool, inputs=()) -> None:
-    """Refuse to overwrite an existing file without ``--force``, and ever to overwrite an input."""
-    from alignpred.io import same_file
-
-    for src in inputs:
-        if same_file(out, src):
-            raise OutputExistsError(f"{out} is also an input of this command; write the output elsewhere (-o)")
-    if os.path.lexists(out) and not force:
-        raise OutputExistsError(f"{out} exists; pass --force to replace it, or choose another output with -o")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
@@ -137,6 +128,7 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
     BANK is a bank file, a registered bank's name (see `kvz bank list`; e.g. gemma-3-270m) or
     its content id."""
     skip_numba_blas_probe()
+    announce_compiles()  # one line on stderr if kernels compile (numba's cache empty)
     from alignpred import CodecConfig, ErrorBudget, compress, fit_bank, load_cache
     from alignpred.bank import fitting, resolve_bank
     from alignpred.codec import DEFAULT_EPS
@@ -202,8 +194,9 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
 @click.option("-f", "--force", is_flag=True, help="Replace outputs that exist.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("-q", "--quiet", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True, help="Report the start-up and decode times on stderr.")
 @_errors
-def decompress(srcs, out, bank, tokens, layers, tier, threads, force, as_json, quiet):
+def decompress(srcs, out, bank, tokens, layers, tier, threads, force, as_json, quiet, verbose):
     """Decode .kvz files back to safetensors (same names, shapes and dtypes).
 
     One SRC: OUT defaults to SRC with .safetensors. Several: each goes to its name with
@@ -213,9 +206,12 @@ def decompress(srcs, out, bank, tokens, layers, tier, threads, force, as_json, q
     decoded. Streams in bounded memory: 2,048 positions of every layer at a time (decoded on all
     threads), each slice written at its place in a temporary file renamed over the output at the
     end."""
+    clock = StartupClock()
     skip_numba_blas_probe()
+    clock.watch = announce_compiles()  # one line on stderr if kernels compile (numba's cache empty)
     from alignpred import KvzReader
 
+    clock.mark("imports")
     outs = _decompress_outputs(srcs, out)
     rng = None
     if tokens:
@@ -236,11 +232,13 @@ def decompress(srcs, out, bank, tokens, layers, tier, threads, force, as_json, q
         if layers is not None and not (1 <= layers <= lay.num_layers):
             raise click.UsageError(f"--layers must be in 1..{lay.num_layers}" + (f" ({src})" if len(srcs) > 1 else ""))
         readers.append(r)
+    clock.mark("open")
     done = []
     for src, dst, r in zip(srcs, outs, readers):
         lay = r.layout
         n_layers = layers or lay.num_layers
         _ = r.decoder  # resolve the bank (and fail on a wrong one) before creating the output
+        clock.mark("bank")
         a, b = rng or (0, lay.n_tokens)
         with _progress(b - a, f"decompress {os.path.basename(src)}" if len(srcs) > 1 else "decompress", quiet,
                        unit="pos") as bar:
@@ -252,27 +250,8 @@ def decompress(srcs, out, bank, tokens, layers, tier, threads, force, as_json, q
         _emit(done[0], as_json, [f"{done[0]['output']}: {done[0]['tensors']} tensors"])
     elif as_json:
         _emit({"files": done}, True, [])
-
-
-def _decompress_outputs(srcs, out) -> list[str]:
-    """The output path of each input of ``kvz decompress``."""
-    def stem(src):
-        return os.path.splitext(os.path.basename(src))[0] + ".safetensors"
-
-    if len(srcs) == 1:
-        if out and os.path.isdir(out):
-            return [os.path.join(out, stem(srcs[0]))]
-        return [out or os.path.splitext(srcs[0])[0] + ".safetensors"]
-    if out is not None and not os.path.isdir(out):
-        raise click.UsageError(f"with several inputs, -o must be an existing directory (got {out})")
-    outs = [os.path.join(out, stem(s)) if out else os.path.splitext(s)[0] + ".safetensors" for s in srcs]
-    seen: dict = {}
-    for s, o in zip(srcs, outs):
-        key = os.path.abspath(o)
-        if key in seen:
-            raise click.UsageError(f"{seen[key]} and {s} would both be written to {o}")
-        seen[key] = s
-    return outs
+    if verbose:
+        click.echo(f"kvz decompress: {clock.report()}", err=True)
 
 
 @cli.command()

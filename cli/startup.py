@@ -2,12 +2,19 @@
 
 What ``kvz decompress`` of a small file would otherwise spend outside kvz's own work: numba's
 first-kernel probes (:func:`skip_numba_blas_probe`), tqdm where no bar is shown (:class:`NoBar`),
-and the interpreter's teardown after numba (:func:`exit_process`).
+and the interpreter's teardown after numba (:func:`exit_process`). What it spends is measured,
+not forced: :class:`StartupClock` (``kvz decompress --verbose``), and :func:`announce_compiles`
+says on stderr when a command has to compile kvz's kernels (numba's cache empty).
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
+
+COMPILE_NOTE = ("kvz: compiling its numba kernels for this machine (once, 10-40 s; numba's cache keeps them "
+                "for later runs; `kvz warmup` compiles them ahead)")
 
 
 class NoBar:
@@ -87,3 +94,68 @@ def exit_process(code) -> None:
         except Exception:
             status = 120
     os._exit(status)
+
+
+def announce_compiles(stream=None):
+    """From now on in this process, the first compile of one of kvz's numba kernels prints
+    :data:`COMPILE_NOTE` on ``stream`` (stderr), once, as it starts (kernels loaded from numba's
+    on-disk cache compile nothing and print nothing). Returns the
+    :class:`alignpred.format.CompileWatch` counting them (``len(watch.compiled)``)."""
+    from alignpred.format import CompileWatch
+
+    said = threading.Event()
+
+    def note(_name: str) -> None:
+        if not said.is_set():
+            said.set()
+            print(COMPILE_NOTE, file=stream or sys.stderr, flush=True)
+
+    watch = CompileWatch(on_compile=note)
+    watch.__enter__()  # for the rest of the process: the kvz process exits after one command
+    _WATCHES.append(watch)  # held here: a collected watch's listener would be unregistered
+    return watch
+
+
+_WATCHES: list = []
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: ``/proc/self/stat``, 10 ms steps), or None."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class StartupClock:
+    """Where a command's time goes, for ``--verbose``: marks taken as it runs (the first of each
+    name counts), reported as one line. Start-up is everything before decoding begins: the
+    process (Python, the CLI's imports) up to this clock's creation, then each mark."""
+
+    def __init__(self, watch=None) -> None:
+        self.t0 = time.perf_counter()
+        self.age0 = process_age()
+        self.watch = watch
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks.setdefault(name, time.perf_counter())
+
+    def report(self, what: str = "decode") -> str:
+        """``start-up S s (process P s, imports I s, ...), then <what> D s ...; total T s``."""
+        end = time.perf_counter()
+        parts, last = [], self.t0
+        if self.age0 is not None:
+            parts.append(f"Python and the CLI {self.age0:.2f} s")
+        for name, t in self.marks.items():
+            parts.append(f"{name} {t - last:.2f} s")
+            last = t
+        before = (self.age0 or 0.0) + last - self.t0
+        compiled = len(self.watch.compiled) if self.watch is not None else None
+        kernels = ("" if compiled is None else
+                   f" ({compiled} kernel compiles in it: numba's cache did not have them)" if compiled else
+                   " (its first kernel calls load them from numba's cache; none compiled)")
+        return (f"start-up {before:.2f} s ({', '.join(parts)}), then {what} {end - last:.2f} s{kernels}; "
+                f"total {before + end - last:.2f} s")

@@ -18,9 +18,10 @@ from alignpred.format.container import (
 from alignpred.format.ranged import BytesRanges, RangedSource
 from alignpred.format.reader import TILE_TOKENS, KvzReader
 from alignpred.format.session import DEFAULT_SESSION, DecoderSession
+from alignpred.format.warmup import CompileWatch
 from alignpred.format.writer import CompressInfo, compress, compress_bytes
 
 __all__ = ["ENTRY_SIZE", "FLAG_REFINE", "FOOTER_SIZE", "MAJOR", "PREAMBLE_SIZE", "Footer", "IndexEntry", "crc32",
            "parse_container", "parse_header", "parse_index", "parse_preamble", "BytesRanges", "RangedSource",
            "TILE_TOKENS", "KvzReader", "DEFAULT_SESSION", "DecoderSession", "CompressInfo", "compress",
-           "compress_bytes"]
+           "compress_bytes", "CompileWatch"]

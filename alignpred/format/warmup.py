@@ -76,9 +76,11 @@ class CompileWatch:
     """Records the numba compiles of kvz's kernels while it is entered, in every thread (numba's
     ``numba:compile`` event fires for a real compile only, never for a load from the on-disk cache);
     ``compiled``: ``module.function`` of each; ``nested``: ``(dispatcher, signature)`` of those
-    compiled only as a callee of another kernel being compiled (its compiled code holds theirs)."""
+    compiled only as a callee of another kernel being compiled (its compiled code holds theirs).
+    ``on_compile(name)``, if given, is called as each compile starts (in the compiling thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_compile=None) -> None:
+        self.on_compile = on_compile
         self.compiled: list[str] = []
         self._outer: set = set()
         self._inner: set = set()
@@ -91,6 +93,7 @@ class CompileWatch:
         from numba.core import event
 
         compiled, outer, inner, depth = self.compiled, self._outer, self._inner, threading.local()
+        on_compile = self.on_compile
 
         class _Listener(event.Listener):
             def on_start(self, ev) -> None:
@@ -100,6 +103,8 @@ class CompileWatch:
                 if d is not None and _is_kvz(d):
                     compiled.append(_name(d))
                     (inner if n else outer).add((id(d), tuple(ev.data.get("args") or ())))
+                    if on_compile is not None:
+                        on_compile(_name(d))
 
             def on_end(self, ev) -> None:
                 depth.n = getattr(depth, "n", 1) - 1
