@@ -199,6 +199,9 @@ def describe_error(exc: BaseException) -> tuple[str, type]:
     if isinstance(exc, rex.NoPermissionError) or "NOPERM" in text:
         return (f"permission denied by the server's ACL ({text}); the user needs the store's keys "
                 f"(~{{<namespace>*) and the commands +@read +@write +@scripting"), StoreAccessWarning
+    if "certificate" in text or "SSL" in text or "TLS" in text:
+        return (f"TLS connection failed ({type(exc).__name__}: {text}); the server's CA goes in the URL "
+                f"(?ssl_ca_certs=PATH) or KVZ_REDIS_CA_CERTS"), StoreUnavailableWarning
     if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)) or \
             type(exc).__name__ in ("RedisClusterUnreachableError", "ClusterDownError", "SlotNotCoveredError",
                                    "MasterDownError") or \

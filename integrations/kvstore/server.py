@@ -217,6 +217,26 @@ def redis_server_fixture():
 N_SLOTS = 16384
 
 
+def _cluster_port(host: str, taken) -> int:
+    """A free port P below 55536 whose cluster-bus port P + 10000 is free too (redis-server refuses a
+    cluster node above 55535, and the ephemeral range goes higher)."""
+    import random
+
+    for _ in range(200):
+        p = random.randrange(20000, 55535)
+        if p in taken or p + 10000 in taken:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a, \
+                    socket.socket(socket.AF_INET, socket.SOCK_STREAM) as b:
+                a.bind((host, p))
+                b.bind((host, p + 10000))
+        except OSError:
+            continue
+        return p
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
 class RedisClusterServer:
     """A throw-away Redis Cluster on 127.0.0.1: ``masters`` masters (slots split evenly) with
     ``replicas`` replicas each, every node a :class:`RedisServer` (``--cluster-enabled yes``, own
@@ -232,12 +252,15 @@ class RedisClusterServer:
     ACL rules per extra user, e.g. ``{"kvz": "on >pw ~* +@all"}``. ``args``: more redis-server
     arguments for every node (``--maxmemory 2mb --maxmemory-policy allkeys-lru``).
     ``nodes``: the RedisServer of each node, masters first as created (roles change with failovers:
-    :meth:`masters` asks the cluster).
+    :meth:`masters` asks the cluster). ``tls``: ``{"cert": ..., "key": ..., "ca": ...}`` file paths
+    (needs a redis-server built with TLS): every node also listens with TLS on a port of its own, the
+    cluster bus and replication use TLS, and :attr:`tls_url` is the ``rediss+cluster://`` URL (the
+    plain ports stay for the helper's own admin connections).
     """
 
     def __init__(self, masters: int = 3, replicas: int = 1, *, host: str = "127.0.0.1", password: str | None = None,
                  users: dict | None = None, node_timeout_ms: int = 1000, args: tuple | list = (),
-                 startup_timeout: float = 30.0):
+                 startup_timeout: float = 30.0, tls: dict | None = None):
         if masters < 1 or replicas < 0:
             raise ValueError("masters >= 1, replicas >= 0")
         self.n_masters, self.n_replicas = int(masters), int(replicas)
@@ -249,6 +272,8 @@ class RedisClusterServer:
         self.startup_timeout = float(startup_timeout)
         self.nodes: list[RedisServer] = []
         self.ids: list[str] = []
+        self.tls = dict(tls) if tls else None
+        self.tls_ports: list[int] = []
 
     # ---- addresses -----------------------------------------------------------------------------
     @property
@@ -261,6 +286,29 @@ class RedisClusterServer:
         if not self.nodes:
             raise RuntimeError("RedisClusterServer has not been started")
         return "redis+cluster://" + ",".join(self.addresses[:self.n_masters]) + "/"
+
+    @property
+    def tls_url(self) -> str:
+        """``rediss+cluster://host:tlsport,.../?ssl_ca_certs=CA`` (a cluster started with ``tls``)."""
+        if not self.tls or not self.tls_ports:
+            raise RuntimeError("RedisClusterServer was not started with tls")
+        from urllib.parse import quote
+
+        return ("rediss+cluster://" + ",".join(f"{self.host}:{p}" for p in self.tls_ports[:self.n_masters]) +
+                "/?ssl_ca_certs=" + quote(self.tls["ca"]))
+
+    def _taken(self) -> set:
+        return {n.port for n in self.nodes} | set(self.tls_ports)
+
+    def _tls_args(self) -> list[str]:
+        if not self.tls:
+            return []
+        port = _cluster_port(self.host, self._taken())
+        self.tls_ports.append(port)
+        t = self.tls
+        return ["--tls-port", str(port), "--tls-cert-file", t["cert"], "--tls-key-file", t["key"],
+                "--tls-ca-cert-file", t["ca"], "--tls-cluster", "yes", "--tls-replication", "yes",
+                "--tls-auth-clients", "no"]
 
     def _node_args(self) -> list[str]:
         a = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
@@ -287,7 +335,19 @@ class RedisClusterServer:
         total = self.n_masters * (1 + self.n_replicas)
         try:
             for _ in range(total):
-                self.nodes.append(RedisServer(host=self.host, args=self._node_args()).start())
+                for attempt in range(5):  # a port taken by another process between the pick and the start
+                    tls_args = self._tls_args()
+                    node = RedisServer(_cluster_port(self.host, self._taken()), host=self.host,
+                                       args=self._node_args() + tls_args)
+                    try:
+                        self.nodes.append(node.start())
+                        break
+                    except RuntimeError:
+                        node.close()
+                        if self.tls:
+                            self.tls_ports.pop()
+                        if attempt == 4:
+                            raise
             self._create()
         except BaseException:
             self.close()
@@ -304,8 +364,9 @@ class RedisClusterServer:
             for i in range(self.n_masters):
                 lo, hi = i * N_SLOTS // self.n_masters, (i + 1) * N_SLOTS // self.n_masters - 1
                 clients[i].execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
-            for n in self.nodes[1:]:
-                clients[0].execute_command("CLUSTER", "MEET", self.host, n.port)
+            for i in range(1, len(self.nodes)):  # with tls-cluster the bus listens at the TLS port + 10000
+                clients[0].execute_command("CLUSTER", "MEET", self.host,
+                                           self.tls_ports[i] if self.tls else self.nodes[i].port)
             self._wait(lambda: all(len(self._known(c)) == len(self.nodes) for c in clients), "nodes to meet")
             for j in range(self.n_masters * self.n_replicas):
                 replica = self.n_masters + j

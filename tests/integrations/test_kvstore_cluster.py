@@ -45,6 +45,11 @@ def redis_node():
     yield from redis_server_fixture()
 
 
+# the least a store's user needs (docs/store-cluster.md): its namespace's keys and these commands
+ACL_RULES = ("on >pw ~{kvz* resetchannels -@all +@read +@write +@scripting +@connection +cluster|slots "
+             "+cluster|shards +cluster|info +cluster|myid +info +scan +unlink")
+
+
 def fresh_cluster(**kw):
     """A cluster of the test's own (one it may break)."""
     require_redis()
@@ -402,7 +407,8 @@ def test_wrong_password_missing_acl_and_unreachable(monkeypatch):
     """Each is one clear warning and misses through the backend engines use; check() (what
     `kvz store stats` calls) raises StoreUnavailableError with a one-line reason."""
     cl = fresh_cluster(replicas=0, password="right-pw",
-                       users={"kvz": "on >kvz-pw ~{allowed* +@all", "reader": "on >r-pw ~* -@all +ping +info"})
+                       users={"kvz": ACL_RULES.replace("{kvz*", "{allowed*").replace(">pw", ">kvz-pw"),
+                              "reader": "on >r-pw ~* -@all +ping +info"})
     try:
         good = RedisClusterBackend(cl.url.replace("://", "://default:right-pw@"), namespace="allowed")
         assert good.put("k", b"v") and good.get("k") == b"v" and good.check()["entries"] == 1
@@ -447,6 +453,58 @@ def test_wrong_password_missing_acl_and_unreachable(monkeypatch):
             assert ok.put("k3", b"w") and ok.get("k3") == b"w"
         ok.close()
         good.close()
+    finally:
+        cl.close()
+
+
+def make_certs(d) -> dict:
+    """A CA and a server certificate for 127.0.0.1 (openssl on PATH, else the test is skipped)."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("openssl"):
+        pytest.skip("openssl not on PATH (needed to make test certificates)")
+    d = str(d)
+
+    def ssl(*a):
+        subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=kvz-test-ca")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=127.0.0.1")
+    with open(os.path.join(d, "ext.cnf"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "srv.crt",
+        "-days", "2", "-extfile", "ext.cnf")
+    return {"cert": os.path.join(d, "srv.crt"), "key": os.path.join(d, "srv.key"), "ca": os.path.join(d, "ca.crt")}
+
+
+def test_tls_cluster(tmp_path, monkeypatch):
+    """rediss+cluster:// with the CA from the URL or KVZ_REDIS_CA_CERTS; without it, one warning
+    that names TLS and misses."""
+    require_redis()
+    tls = make_certs(tmp_path)
+    try:
+        cl = RedisClusterServer(replicas=0, tls=tls).start()
+    except RuntimeError as e:
+        pytest.skip(f"this redis-server has no TLS: {str(e)[:200]}")
+    try:
+        s = open_url(cl.tls_url + "&namespace=tls")
+        assert isinstance(s, RedisClusterBackend) and s.put("k", b"over tls") and s.get("k") == b"over tls"
+        assert s.check()["entries"] == 1
+        s.close()
+        bare = cl.tls_url.split("?")[0]
+        monkeypatch.setenv("KVZ_REDIS_CA_CERTS", tls["ca"])
+        assert open_url(bare + "?namespace=tls").get("k") == b"over tls"
+        monkeypatch.delenv("KVZ_REDIS_CA_CERTS")
+        s = open_url(bare + "?namespace=tls", reconnect_interval=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert s.get("k") is None and s.put("k", b"x") is False
+        ours = [str(w.message) for w in caught if issubclass(w.category, StoreWarning)]
+        assert len(ours) == 1 and "TLS" in ours[0], ours
+        with pytest.raises(StoreUnavailableError, match="TLS"):
+            s.check()
     finally:
         cl.close()
 
