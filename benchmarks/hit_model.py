@@ -11,7 +11,7 @@ layer-wise load the forward hides part of either load, so these are the loads' u
 Decode is assumed to scale with cores (it did from 1 to 2 cores here: ``speed.md``); memory
 bandwidth bounds that on a real node, which is not modelled.
 
-    python -m kvz.benchmarks.hit_model [--speed benchmarks/results/speed.json] [--hit benchmarks/results/vllm_hit.json]
+    python -m kvz.benchmarks.hit_model [--speed benchmarks/results/speed.json] [--hit benchmarks/results/vllm_hit-8k.json]
         [--cores 32] --json OUT --md OUT
 
 >>> r = hit_row(values=1e9, bpv=4.0, per_core=50e6, cores=32, link_Bps=3.125e9, layers=32)
@@ -103,7 +103,7 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--speed", default="benchmarks/results/speed.json")
-    ap.add_argument("--hit", default="benchmarks/results/vllm_hit.json")
+    ap.add_argument("--hit", default="benchmarks/results/vllm_hit-8k.json")
     ap.add_argument("--cores", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--json")
