@@ -17,6 +17,8 @@ not decoded here (``KvzError``).
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -62,16 +64,24 @@ class _DevMap:
         """float32 ``[n, NP]`` from the sources (float32 ``[n, >= d_in]``, contiguous rows)."""
         xq = torch.empty((self.S, n, self.KP), dtype=torch.float64, device=dev)
         xe = torch.empty((self.S, n), dtype=torch.int32, device=dev)
-        br = _p2(n, 16) if K.SIMULATED else 16
-        br = min(br, 4096)
+        br = 16 if K.DEVICE_TILES else min(_p2(n, 16), 4096)
         for s, x in enumerate(srcs):
             K.quant_rows_kernel[(-(-n // br),)](x, x.stride(0), self.p2[s], xq[s], xe[s], n, self.d_in,
                                                 KP=self.KP, BR=br, **K.FLOAT_OPTS)
         y = torch.empty((n, self.NP), dtype=torch.float32, device=dev)
-        bm = min(_p2(n, 16), 1024) if K.SIMULATED else 64
-        K.map_kernel[(-(-n // bm),)](xq, xe, self.wq, self.w_exp, y, y.stride(0), n, self.d_out, self.S,
-                                     KP=self.KP, NP=self.NP, BR=bm, **K.FLOAT_OPTS)
+        if K.DEVICE_TILES:
+            bm, bn, bk = 64, min(64, self.NP), min(32, self.KP)
+        else:
+            bm, bn, bk = min(_p2(n, 16), 1024), self.NP, self.KP
+        K.map_kernel[(-(-n // bm), self.NP // bn)](xq, xe, self.wq, self.w_exp, y, y.stride(0), n, self.d_out,
+                                                   self.S, KP=self.KP, NP=self.NP, BR=bm, BN=bn, BK=bk,
+                                                   **K.FLOAT_OPTS)
         return y
+
+
+# per CPU decoder (one per layout, bank and config in a session) and device: the maps' device
+# weights and the blocks' constants, uploaded once, not at every decode
+_UPLOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class GpuDecoder:
@@ -85,8 +95,8 @@ class GpuDecoder:
         self.reader = reader
         self.dec = reader.decoder            # plans, frame, steps (also checks the header's modes)
         self.dev = K.DEVICE if device is None else device
-        self._maps: dict = {}
-        self._const: dict = {}
+        per = _UPLOADED.setdefault(self.dec, {}).setdefault(self.dev, ({}, {}))
+        self._maps, self._const = per
 
     def _devmap(self, m) -> _DevMap:
         dm = self._maps.get(id(m))
@@ -157,7 +167,7 @@ class GpuDecoder:
         out_kind = _OUT_KIND[lay.dtype]
         fmax = float(np.float32(fr.fmax))
         recon: dict = {}
-        br = min(_p2(n, 16), 2048) if K.SIMULATED else 32
+        br = 32 if K.DEVICE_TILES else min(_p2(n, 16), 2048)
         dummy = torch.zeros(1, dtype=torch.float32, device=self.dev)
         rope_cache: dict = {}
         for ti, (layer, kind) in tensors:

@@ -174,12 +174,12 @@ def _launch(objs: list, reader, C: int, n_rows: int, coder: str, q, dev: str) ->
     ids_d = up(ids_all)
     if lanes:
         hw = np.array([_lanes.header_words(int(v)) for v in N], np.int64)
-        OB = _pow2_at_least(n_obj) if K.SIMULATED else 4
+        OB = 4 if K.DEVICE_TILES else _pow2_at_least(n_obj)
         n_iter = int(((N + 31) // 32).max())
         K.lanes32_kernel[(triton_cdiv(n_obj, OB),)](up(words), up(off), up(W), up(hw), up(N), up(n), up(ids_off),
                                                    up(out_off), ids_d, dtab, q, err, n_obj, n_rows, n_iter, OB=OB)
     else:
-        OB = _pow2_at_least(n_obj) if K.SIMULATED else 32
+        OB = 32 if K.DEVICE_TILES else _pow2_at_least(n_obj)
         n_iter = int((N.max() + 3) // 4)
         K.rans4_kernel[(triton_cdiv(n_obj, OB),)](up(words), up(off), up(W), up(N), up(n), up(ids_off), up(out_off),
                                                  ids_d, tok, packed, base, nbits, q, err, n_obj, n_rows, n_iter, OB=OB)

@@ -29,6 +29,11 @@ import triton.language as tl  # noqa: E402
 
 DEVICE = "cpu" if SIMULATED else "cuda"
 
+# Tile sizes: the device's (small blocks, many programs) or the interpreter's (one program per
+# block of rows where it can: the interpreter pays per operation, not per element). Tests set it to
+# True in the simulator to run the device's tiling (the same bits, slower).
+DEVICE_TILES: bool = not SIMULATED
+
 # launch options of every float kernel: no FMA contraction (the interpreter has none to disable)
 FLOAT_OPTS: dict = {} if SIMULATED else {"enable_fp_fusion": False}
 
@@ -422,20 +427,24 @@ def quant_rows_kernel(x_ptr, x_stride, p2_ptr, xq_ptr, xexp_ptr, n, K, KP: tl.co
 
 @triton.jit
 def map_kernel(xq_ptr, xexp_ptr, wq_ptr, wexp_ptr, y_ptr, y_stride, n, n_out, S_src,
-               KP: tl.constexpr, NP: tl.constexpr, BR: tl.constexpr):
+               KP: tl.constexpr, NP: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``Y[t, j] = float32(sum_s float64(xq_s @ wq_s)[t, j] * 2**(x_exp_s[t] + w_exp_s[j]))`` with
-    ``xq [S, n, KP]`` and ``wq [S, KP, NP]`` float64 integers (the products and their sums are
-    integers below 2**53: exact in any order, on tensor cores too), ``x_exp [S, n]``, ``w_exp [S,
-    NP]`` int32; the sources added in order from +0.0; rows of ``Y`` ``y_stride`` apart."""
+    ``xq [S, n, KP]`` and ``wq [S, KP, NP]`` float64 integers, ``x_exp [S, n]``, ``w_exp [S, NP]``
+    int32; the sources added in order from +0.0; rows of ``Y`` ``y_stride`` apart. Program
+    ``(i, k)``: rows ``i BR ..``, columns ``k BN ..``; the dot runs over ``BK``-channel slices.
+    Every product and partial sum is an integer below 2**53 (``|acc| < 8191 * 4095 * KP``), so the
+    float64 dots are exact in any order and tiling, on tensor cores too."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
-    kk = tl.arange(0, KP)
-    j = tl.arange(0, NP)[None, :]
+    j = tl.program_id(1) * BN + tl.arange(0, BN)[None, :]
     rm = r < n
-    y = tl.full((BR, NP), 0.0, tl.float64)
+    y = tl.full((BR, BN), 0.0, tl.float64)
     for s in range(0, S_src):
-        xq = tl.load(xq_ptr + s * n * KP + r * KP + kk[None, :], mask=rm, other=0.0)
-        wq = tl.load(wq_ptr + s * KP * NP + kk[:, None] * NP + j)
-        acc = tl.dot(xq, wq, input_precision="ieee")
+        acc = tl.full((BR, BN), 0.0, tl.float64)
+        for k0 in range(0, KP, BK):
+            kr = k0 + tl.arange(0, BK)
+            xq = tl.load(xq_ptr + s * n * KP + r * KP + kr[None, :], mask=rm, other=0.0)
+            wq = tl.load(wq_ptr + s * KP * NP + kr[:, None] * NP + j)
+            acc += tl.dot(xq, wq, input_precision="ieee")
         xe = tl.load(xexp_ptr + s * n + r, mask=rm, other=0).to(tl.int64)
         we = tl.load(wexp_ptr + s * NP + j).to(tl.int64)
         p2 = ((xe + we + 1023) << 52).to(tl.float64, bitcast=True)
