@@ -25,12 +25,11 @@ list like ``"2-3"``; default: the cores vLLM's CPU worker does not bind — thos
 ``VLLM_CPU_OMP_THREADS_BIND`` — or all cores when it binds every one), ``decode_threads`` (threads
 one load decodes with; default one per load core), ``load_deadline_s`` (default 30: a step's loads
 not complete by then are cancelled and recomputed), ``layerwise`` (default True: the forward
-waits per layer; False: every load completes before the forward starts), ``switch_interval_s``
-(default 0.0002: the interpreter's switch interval while a step loads, restored after; the forward
-thread holds the GIL between its ops and the decode needs it between kernels — at Python's 5 ms
-default a Python-busy thread cut a one-core 8K decode from 471 to 23 M values/s on a 2-core Xeon,
-at 0.0005 s to 78, at 0.0001 s to 165; in vLLM the 8K hit's median TTFT went 0.67 -> 0.57 s at
-0.0002 s; 0 leaves the interval alone), ``sync_save`` (encode in
+waits per layer; False: every load completes before the forward starts), ``decode_process``
+(default True: loads decode in kvz's own process on the load cores, out of the engine's GIL:
+:mod:`~kvz.integrations.vllm.decode_worker`; False, or a process that fails: in the load thread),
+``switch_interval_s`` (default 0.0002: the interpreter's switch interval while the load thread
+decodes, restored after; measured in :class:`~kvz.integrations.vllm.loader.StepLoad`), ``sync_save`` (encode in
 the step instead of a background thread), ``read_only`` (load, never store), ``store_after_lossy``
 (also store blocks computed on top of lossy loaded KV; default off: a prefix hit then stays within
 eps of what the model computes), ``debug_dir`` (write the KV read back from the engine's blocks
@@ -78,7 +77,7 @@ from vllm.logger import init_logger
 
 from .meta import KvzConnectorMetadata, LoadSpec, RequestState, SaveSpec
 from .model import model_info
-from .paged import PagedLayout, save_kv
+from .paged import PagedLayout, debug_dump
 from .store import DEFAULT_EPS, BlockStore, open_backend, warn
 
 if TYPE_CHECKING:
@@ -137,11 +136,16 @@ class KvzConnector(KVConnectorBase_V1):
         if get("namespace", None) is not None:
             kw["namespace"] = str(get("namespace", None))
         self.backend = open_backend(get("store", None), **kw)
-        self.store = BlockStore(self.backend, model_id=get("model_id", info["model_id"]), block_size=self.block_size,
-                                layer_types=info["layer_types"], rope_theta=info["rope_theta"], shape=info["shape"],
-                                dtype=info["dtype"], eps=eps, lossless=lossless, bank=bank,
-                                threads=None if threads is None else int(threads),
-                                profile="default" if self.profile_setting == "auto" else self.profile_setting)
+        settings = dict(model_id=get("model_id", info["model_id"]), block_size=self.block_size,
+                        layer_types=info["layer_types"], rope_theta=info["rope_theta"], shape=info["shape"],
+                        dtype=info["dtype"], eps=eps, lossless=lossless, bank=bank,
+                        threads=None if threads is None else int(threads),
+                        profile="default" if self.profile_setting == "auto" else self.profile_setting)
+        self.store = BlockStore(self.backend, **settings)
+        # kvz's decode process (decode_worker): the same store and settings, opened there
+        self.decode_process = bool(get("decode_process", True))
+        self._decoder_args = (get("store", None), kw, settings)
+        self._decoder: Any = None
         self.lossy = not lossless
         # scheduler side
         self._lookups: dict[str, tuple[int, int, list]] = {}  # req -> (num_computed, hit blocks, segments)
@@ -265,7 +269,7 @@ class KvzConnector(KVConnectorBase_V1):
                                   self._vllm_config.cache_config.cache_dtype)
         logger.info("kvz connector: loads on cores %s (%s), %d decode thread(s), deadline %g s, layerwise %s",
                     self.load_cores, self.load_cores_reason, self.decode_threads, self.load_deadline_s, self.layerwise)
-        if self.warmup or self.profile_setting == "auto":
+        if self.warmup or self.profile_setting == "auto" or self.decode_process:
             self._warm = self._load_thread_pool().submit(self._warm_up)
 
     def _warm_up(self) -> None:
@@ -276,6 +280,13 @@ class KvzConnector(KVConnectorBase_V1):
                 self.timings["warmup_s"] = self.store.warmup()
         except Exception as e:  # noqa: BLE001
             warn(f"kvz: codec warm-up failed ({type(e).__name__}: {e})")
+        if self.decode_process:
+            from .decode_worker import start_worker
+
+            self._decoder = start_worker(*self._decoder_args, self.load_cores, self.decode_threads,
+                                         int(self._vllm_config.model_config.max_model_len), warn=warn)
+            if self._decoder is not None:
+                self.timings["decode_process_warmup_s"] = self._decoder.warmup_s
         if self.profile_setting != "auto":
             return
         if self.read_only:
@@ -331,17 +342,25 @@ class KvzConnector(KVConnectorBase_V1):
         bs = self.block_size
         _, H, d = self.info["shape"]
         dt = self._kv[0][1].dtype
-        jobs = []
+        jobs: list[LoadJob] = []
         staging: dict = {}
+        proc = None
+        if self._decoder is not None:  # kvz's decode process (None: the load thread decodes)
+            proc = self._decoder.try_submit([(seg, seg.count * bs) for spec in meta.loads for seg in spec.segments],
+                                            time.monotonic() + self.load_deadline_s, warn)
+            if proc is None and not self._decoder.alive:
+                self._decoder = None
         for spec in meta.loads:
             end = spec.segments[-1].first + spec.segments[-1].count if spec.segments else 0
             for seg in spec.segments:
                 blocks = spec.block_ids[seg.first:seg.first + seg.count]
                 n = seg.count * bs
                 bufs: dict = {}  # layer -> this job's staging tensors (the reader writes into them)
+                j = len(jobs)
+                opener = (lambda deadline, j=j: (proc.reader(j), None, proc)) if proc is not None else \
+                    (lambda deadline, seg=seg: self.store.open_segment(seg, deadline, self.decode_threads))
                 jobs.append(LoadJob(
-                    spec.req_id, blocks, spec.block_ids[seg.first:end],
-                    lambda deadline, seg=seg: self.store.open_segment(seg, deadline, self.decode_threads),
+                    spec.req_id, blocks, spec.block_ids[seg.first:end], opener,
                     out=lambda i, n=n, bufs=bufs: bufs.setdefault(
                         i, (torch.empty((H, n, d), dtype=dt), torch.empty((H, n, d), dtype=dt)))))
                 staging[id(jobs[-1])] = bufs
@@ -353,11 +372,11 @@ class KvzConnector(KVConnectorBase_V1):
                               + torch.arange(bs, dtype=torch.int64)[None, :]).reshape(-1)
 
         def write(job, i, k, v):  # the layer's staging tensors [kv_heads, n, d] -> [n, kv_heads, d]
-            kt, vt = staging[id(job)].pop(i)
+            kt, vt = staging[id(job)].pop(i, (k, v))  # the decode process's views: (k, v) as given
             self._paged.write(i, kt.transpose(0, 1).contiguous(), vt.transpose(0, 1).contiguous(), slots[id(job)])
 
         step = StepLoad(jobs, len(self._kv), write, self.load_deadline_s, warn=warn,
-                        switch_interval_s=self.switch_interval_s)
+                        switch_interval_s=self.switch_interval_s, proc=proc)
         self._step = step
         self._step_waited = set()
         self._load_future = self._load_thread_pool().submit(step.run)
@@ -393,7 +412,8 @@ class KvzConnector(KVConnectorBase_V1):
     def _account(self, step) -> None:
         t = self.timings
         wall = step.layer_ready_s[-1] if step.layer_ready_s else 0.0
-        t["decode_s"] += step.decode_s
+        proc = step.proc
+        t["decode_s"] += proc.decode_s if proc is not None else step.decode_s  # the process's own seconds
         t["copy_s"] += step.copy_s
         t["load_s"] += wall
         t["blocked_s"] += step.blocked_s
@@ -407,7 +427,8 @@ class KvzConnector(KVConnectorBase_V1):
                 if job.failed is None:
                     by_req.setdefault(job.req_id, []).extend(job.blocks)
             for rid, blocks in by_req.items():
-                self._debug_dump("load", rid, blocks)
+                debug_dump(self.debug_dir, "load", rid, lambda b=blocks: self._paged.read_blocks(b), 0,
+                           self.block_size, warn)
 
     # ------------------------------------------------------------------ worker side: save
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
@@ -426,7 +447,7 @@ class KvzConnector(KVConnectorBase_V1):
                 continue
             self.timings["extract_s"] += time.perf_counter() - t0
             if self.debug_dir:
-                self._debug_write("save", spec.req_id, kv, spec.first_block)
+                debug_dump(self.debug_dir, "save", spec.req_id, kv, spec.first_block, self.block_size, warn)
             job = (spec.token_ids, spec.first_block, kv, spec.hashes)
             if self.sync_save:
                 self.store.put_run(*job)
@@ -469,20 +490,11 @@ class KvzConnector(KVConnectorBase_V1):
             if self._save_thread is not None:
                 self._save_thread.join(timeout=60)
             self._save_q = None
+        if self._decoder is not None:
+            self._decoder.close()
+            self._decoder = None
         try:
             self.backend.close()
         except Exception:  # noqa: BLE001
             pass
         return None
-
-    # ------------------------------------------------------------------ debugging / tests
-    def _debug_dump(self, what, rid, block_ids):
-        try:
-            self._debug_write(what, rid, self._paged.read_blocks(block_ids), 0)
-        except Exception as e:  # noqa: BLE001
-            warn(f"kvz: debug dump failed ({e})")
-
-    def _debug_write(self, what, rid, kv, first_block):
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(rid))
-        save_kv(os.path.join(self.debug_dir, f"{what}-{safe}.safetensors"), kv,
-                {"first_block": str(first_block), "block_size": str(self.block_size)})

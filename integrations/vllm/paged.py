@@ -106,3 +106,17 @@ def save_kv(path: str, kv: list, metadata: dict) -> None:
         tensors[f"layers.{i}.key"] = k.float().contiguous()
         tensors[f"layers.{i}.value"] = v.float().contiguous()
     save_file(tensors, path, metadata=metadata)
+
+
+def debug_dump(debug_dir: str, what: str, req_id, kv, first_block: int, block_size: int, warn=print) -> None:
+    """The connector's ``debug_dir`` dump of one request's KV (``{what}-{req_id}.safetensors``;
+    ``kv``: ``[(K, V)]`` or a function giving it); a failure is a warning, never an engine error."""
+    import re
+
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(req_id))
+    try:
+        kv = kv() if callable(kv) else kv
+        save_kv(os.path.join(debug_dir, f"{what}-{safe}.safetensors"), kv,
+                {"first_block": str(first_block), "block_size": str(block_size)})
+    except Exception as e:  # noqa: BLE001
+        warn(f"kvz: debug dump failed ({e})")

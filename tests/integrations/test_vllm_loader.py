@@ -221,3 +221,76 @@ def test_auto_profile_choice(tmp_path, sample):
     assert set(thr) == {"default", "fast"} and all(x > 0 for x in thr.values())
     assert pc.measure_read(store.backend, nbytes=1 << 20) > 0
     assert store.backend.keys() == []  # the probe is gone
+
+
+def _settings(sample):
+    _, _, types, thetas = sample
+    return dict(model_id="gemma-3-270m-test", block_size=BS, layer_types=types, rope_theta=thetas,
+                shape=(18, 1, 256), dtype="bfloat16", bank="gemma-3-270m", threads=1)
+
+
+def _proc_step(store, proc, n_jobs=1, deadline_s=30.0):
+    import torch
+
+    writes = []
+
+    def write(job, i, k, v):
+        writes.append((i, k.clone().view(torch.int16).numpy(), v.clone().view(torch.int16).numpy()))
+
+    jobs = [LoadJob("r", list(range(N_BLOCKS)), list(range(N_BLOCKS)),
+                    lambda d, j=j: (proc.reader(j), None, proc)) for j in range(n_jobs)]
+    step = StepLoad(jobs, 18, write, deadline_s, warn=lambda m: None, proc=proc)
+    th = threading.Thread(target=step.run)
+    th.start()
+    return step, th, writes
+
+
+def test_decode_process_same_bits_as_a_whole_read(tmp_path, sample):
+    """kvz's decode process (kvz.integrations.vllm.decode_worker) opens the same store, decodes
+    into shared memory and hands the load thread the same bits as a whole read, two loads in
+    lock-step; a run removed from the store is a failed load (recomputed), and the process serves
+    the next step."""
+    pytest.importorskip("torch")
+    from kvz.integrations.vllm.decode_worker import DecodeWorker
+
+    store = _store(DirectoryBackend(str(tmp_path)), sample)
+    ids = _filled(store, sample)
+    _, segs = store.lookup(ids, N_BLOCKS)
+    w = DecodeWorker(str(tmp_path), {}, _settings(sample), sorted(__import__("os").sched_getaffinity(0)), 1)
+    try:
+        proc = w.submit([(segs[0], N_BLOCKS * BS)] * 2, time.monotonic() + 30)
+        step, th, writes = _step_run(step_and_thread=_proc_step(store, proc, n_jobs=2))
+        assert step.finish(True) == set() and [x[0] for x in writes] == [i for i in range(18) for _ in range(2)]
+        want = KvzReader(store.backend.get(store.runs[0]["key"]), bank=store.bank).read()
+        for i, k, v in writes:
+            assert np.array_equal(k, want[f"layers.{i}.key"].view(np.int16).reshape(k.shape))
+            assert np.array_equal(v, want[f"layers.{i}.value"].view(np.int16).reshape(v.shape))
+        assert proc.decode_s > 0
+        for k in list(store.backend.keys()):  # the run is gone: the next load fails, nothing is written
+            store.backend.delete(k)
+        proc = w.submit([(segs[0], N_BLOCKS * BS)], time.monotonic() + 30)
+        step, th, writes = _step_run(step_and_thread=_proc_step(store, proc))
+        assert step.finish(True) == set(range(N_BLOCKS)) and writes == [] and w.alive
+        store = _store(DirectoryBackend(str(tmp_path)), sample)
+        ids = _filled(store, sample)
+        _, segs = store.lookup(ids, N_BLOCKS)
+        w.proc.kill()  # the process dies: the step's loads fail (recomputed), it is not used again
+        w.proc.wait()
+        try:
+            proc = w.submit([(segs[0], N_BLOCKS * BS)], time.monotonic() + 5)
+        except OSError:
+            proc = None
+        if proc is not None:
+            step, th, writes = _step_run(step_and_thread=_proc_step(store, proc))
+            assert step.finish(True) == set(range(N_BLOCKS)) and writes == []
+        assert not w.alive
+    finally:
+        w.close()
+    assert not w.alive
+
+
+def _step_run(step_and_thread):
+    step, th, writes = step_and_thread
+    _forward(step)
+    th.join()
+    return step, th, writes
