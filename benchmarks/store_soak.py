@@ -215,7 +215,6 @@ def consistency(store) -> dict:
 
 def run(args) -> dict:
     from kvz.integrations.kvstore import RedisClusterServer, open_url
-    from kvz.integrations.kvstore.server import require_redis  # noqa: F401  (documents the need)
 
     cl = None
     url = args.url

@@ -22,8 +22,7 @@ def _open(url: str, namespace: str | None, shards: int | None):
     """The backend of ``url``, checked: one error line and exit 1 when it cannot be used."""
     import warnings
 
-    from kvz.integrations.kvstore import StoreError, open_url
-    from kvz.integrations.kvstore.urls import scheme_of
+    from kvz.integrations.kvstore import StoreError, open_url, scheme_of
 
     if scheme_of(url) == "directory":
         path = url[len("file://"):] if url.startswith("file://") else url

@@ -25,8 +25,8 @@ from .errors import (
 from .record import Entry, entry_size
 from .redis_backend import RedisBackend
 from .server import RedisClusterServer, RedisServer
-from .urls import open_url
+from .urls import open_url, scheme_of
 
 __all__ = ["BlobRanges", "ChunkBackend", "DirectoryBackend", "RedisBackend", "RedisClusterBackend", "Entry",
-           "entry_size", "open_url", "StoreError", "StoreReadError", "StoreUnavailableError", "StoreWarning",
-           "StoreUnavailableWarning", "StoreAccessWarning", "RedisServer", "RedisClusterServer"]
+           "entry_size", "open_url", "scheme_of", "StoreError", "StoreReadError", "StoreUnavailableError",
+           "StoreWarning", "StoreUnavailableWarning", "StoreAccessWarning", "RedisServer", "RedisClusterServer"]

@@ -11,206 +11,31 @@ from urllib.parse import urlparse
 from . import record
 from .base import BlobRanges, ChunkBackend
 from .errors import (
+    PASSWORD_ENV,
+    USERNAME_ENV,
     CorruptEntryError,
     ForeignEntryError,
-    StoreAccessWarning,
     StoreError,
     StoreReadError,
     StoreUnavailableError,
     StoreUnavailableWarning,
     StoreWarning,
+    describe_error,
+    mask_url,
 )
 from .record import Entry
+from .redis_maint import RedisMaintenance
+from .scripts import _DELETE, _EVICT, _GC_MEMBER, _GC_TOTAL, _GET, _HEAD, _PUT
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _SCHEMES = ("redis", "rediss", "unix")
-USERNAME_ENV, PASSWORD_ENV = "KVZ_REDIS_USERNAME", "KVZ_REDIS_PASSWORD"
-STORE_COUNTERS = ("puts", "hits", "misses", "corrupt", "foreign", "evicted", "lost")
-
-# Every script takes the keys of one shard, all under its hash tag (one slot):
-# KEYS: entry, zset, sizes, bases, total, stats.
-
-# ARGV: member, record, size, base, score, budget (-1: none), entry-key prefix, ttl ms (0: none).
-# Sets the entry, then evicts lowest-score members (never ARGV[1]) until total <= budget.
-_PUT = """
-local old = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
-if tonumber(ARGV[8]) > 0 then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[8])
-else
-  redis.call('SET', KEYS[1], ARGV[2])
-end
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
-redis.call('HSET', KEYS[4], ARGV[1], ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
-redis.call('HINCRBY', KEYS[6], 'puts', 1)
-local total = redis.call('INCRBY', KEYS[5], tonumber(ARGV[3]) - old)
-local budget = tonumber(ARGV[6])
-local evicted = 0
-if budget >= 0 then
-  while total > budget do
-    local low = redis.call('ZRANGE', KEYS[2], 0, 1)
-    local victim = low[1]
-    if victim == ARGV[1] then victim = low[2] end
-    if not victim then break end
-    local sz = tonumber(redis.call('HGET', KEYS[3], victim) or '0')
-    redis.call('DEL', ARGV[7] .. victim)
-    redis.call('HDEL', KEYS[3], victim)
-    redis.call('HDEL', KEYS[4], victim)
-    redis.call('ZREM', KEYS[2], victim)
-    total = redis.call('DECRBY', KEYS[5], sz)
-    evicted = evicted + 1
-  end
-  if evicted > 0 then redis.call('HINCRBY', KEYS[6], 'evicted', evicted) end
-end
-return evicted
-"""
-
-# Drops the bookkeeping of a member whose entry is gone (evicted by the server's maxmemory policy,
-# expired, lost with a node): shared by the scripts below.
-_FORGET = """
-local function forget(member)
-  local sz = tonumber(redis.call('HGET', KEYS[3], member) or '0')
-  redis.call('HDEL', KEYS[3], member)
-  redis.call('HDEL', KEYS[4], member)
-  redis.call('ZREM', KEYS[2], member)
-  if sz > 0 then redis.call('DECRBY', KEYS[5], sz) end
-end
-"""
-
-# ARGV: member, time term. The record (touching its score), or 1: the entry was indexed but is gone
-# (its bookkeeping is dropped here: the whole entry is a miss), or 0: no such entry.
-_GET = _FORGET + """
-local v = redis.call('GET', KEYS[1])
-if v then
-  local b = redis.call('HGET', KEYS[4], ARGV[1])
-  if b then redis.call('ZADD', KEYS[2], 'XX', tonumber(b) + tonumber(ARGV[2]), ARGV[1]) end
-  redis.call('HINCRBY', KEYS[6], 'hits', 1)
-  return v
-end
-redis.call('HINCRBY', KEYS[6], 'misses', 1)
-if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
-  forget(ARGV[1])
-  redis.call('HINCRBY', KEYS[6], 'lost', 1)
-  return 1
-end
-return 0
-"""
-
-# ARGV: member, time term, prefix length. {length, first bytes} of the record (touching its score),
-# or 1 / 0 as _GET.
-_HEAD = _FORGET + """
-local n = redis.call('STRLEN', KEYS[1])
-if n > 0 then
-  local b = redis.call('HGET', KEYS[4], ARGV[1])
-  if b then redis.call('ZADD', KEYS[2], 'XX', tonumber(b) + tonumber(ARGV[2]), ARGV[1]) end
-  redis.call('HINCRBY', KEYS[6], 'hits', 1)
-  return {n, redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)}
-end
-redis.call('HINCRBY', KEYS[6], 'misses', 1)
-if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
-  forget(ARGV[1])
-  redis.call('HINCRBY', KEYS[6], 'lost', 1)
-  return 1
-end
-return 0
-"""
-
-# ARGV: member, sha1 hex of the value to drop or '' (any), counter to move a hit to ('' none).
-_DELETE = _FORGET + """
-local v = redis.call('GET', KEYS[1])
-if ARGV[2] ~= '' and (not v or redis.sha1hex(v) ~= ARGV[2]) then return 0 end
-local n = redis.call('DEL', KEYS[1])
-forget(ARGV[1])
-if ARGV[3] ~= '' then
-  redis.call('HINCRBY', KEYS[6], ARGV[3], 1)
-  redis.call('HINCRBY', KEYS[6], 'hits', -1)
-  redis.call('HINCRBY', KEYS[6], 'misses', 1)
-end
-return n
-"""
-
-# ARGV: member, score it had when chosen. Evicts it (the budget across shards) if not touched since.
-_EVICT = _FORGET + """
-local s = redis.call('ZSCORE', KEYS[2], ARGV[1])
-if not s or tonumber(s) ~= tonumber(ARGV[2]) then return -1 end
-local sz = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
-redis.call('DEL', KEYS[1])
-forget(ARGV[1])
-redis.call('HINCRBY', KEYS[6], 'evicted', 1)
-return sz
-"""
-
-# ARGV: member. gc of one member: 'orphan' (an entry with no bookkeeping: deleted), 'stale'
-# (bookkeeping with no entry: dropped), 'ok'.
-_GC_MEMBER = _FORGET + """
-local e = redis.call('EXISTS', KEYS[1])
-local z = redis.call('ZSCORE', KEYS[2], ARGV[1])
-local h = redis.call('HEXISTS', KEYS[3], ARGV[1])
-if e == 1 and (not z or h == 0) then
-  redis.call('DEL', KEYS[1])
-  forget(ARGV[1])
-  return 'orphan'
-end
-if e == 0 and (z or h == 1 or redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1) then
-  forget(ARGV[1])
-  redis.call('HINCRBY', KEYS[6], 'lost', 1)
-  return 'stale'
-end
-return 'ok'
-"""
-
-# Recomputes a shard's total from its sizes hash; returns {old, new}.
-_GC_TOTAL = """
-local t = 0
-local v = redis.call('HVALS', KEYS[3])
-for i = 1, #v do t = t + tonumber(v[i]) end
-local old = tonumber(redis.call('GET', KEYS[5]) or '0')
-if t > 0 then redis.call('SET', KEYS[5], t) else redis.call('DEL', KEYS[5]) end
-return {old, t}
-"""
 
 
 def _glob_escape(s: str) -> str:
     return re.sub(r"([\\*?\[\]])", r"\\\1", s)
 
 
-def mask_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (what every message and repr shows)."""
-    try:
-        p = urlparse(url)
-    except ValueError:
-        return "<unparseable URL>"
-    if p.password is None:
-        return url
-    user = p.username or ""
-    return url.replace(p.netloc, f"{user}:***@" + p.netloc.rsplit("@", 1)[1], 1)
-
-
-def describe_error(exc: BaseException) -> tuple[str, type]:
-    """A one-line reason for a failed Redis call, and the warning category it is reported with."""
-    import redis.exceptions as rex
-
-    text = str(exc)
-    if isinstance(exc, rex.AuthenticationError) or \
-            any(s in text for s in ("WRONGPASS", "NOAUTH", "invalid username", "Authentication required",
-                                    "authenticate the client")):
-        return (f"authentication failed: wrong user or password ({type(exc).__name__}; credentials come from "
-                f"the URL or {USERNAME_ENV}/{PASSWORD_ENV})"), StoreAccessWarning
-    if isinstance(exc, rex.NoPermissionError) or "NOPERM" in text:
-        return (f"permission denied by the server's ACL ({text}); the user needs the store's keys "
-                f"(~{{<namespace>*) and the commands +@read +@write +@scripting"), StoreAccessWarning
-    if "certificate" in text or "SSL" in text or "TLS" in text:
-        return (f"TLS connection failed ({type(exc).__name__}: {text}); the server's CA goes in the URL "
-                f"(?ssl_ca_certs=PATH) or KVZ_REDIS_CA_CERTS"), StoreUnavailableWarning
-    if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)) or \
-            type(exc).__name__ in ("RedisClusterUnreachableError", "ClusterDownError", "SlotNotCoveredError",
-                                   "MasterDownError") or \
-            (type(exc).__name__ == "RedisClusterException" and "connect" in text.lower()):
-        return f"unreachable ({type(exc).__name__}: {text})", StoreUnavailableWarning
-    return f"{type(exc).__name__}: {text}", StoreWarning
-
-
-class RedisBackend(ChunkBackend):
+class RedisBackend(RedisMaintenance, ChunkBackend):
     """A :class:`ChunkBackend` in a Redis server (needs the ``redis`` package: ``pip install 'kvz[store]'``).
 
     Layout under ``namespace``: every key of one *shard* shares its hash tag (``{ns}`` with the
@@ -661,96 +486,6 @@ class RedisBackend(ChunkBackend):
         if not ok:
             return {"entries": None, "bytes": None, "available": False, "url": self.url}
         return {"entries": res[0], "bytes": res[1], "available": True, "url": self.url}
-
-    # ---- whole-store statistics and garbage collection ------------------------------------------
-    def _store_stats(self) -> dict:
-        c = self._get_client()
-        pipe = c.pipeline(transaction=False)
-        for s in range(self.shards):
-            ks = self._keys_of(s)
-            pipe.zcard(ks[1])
-            pipe.get(ks[4])
-            pipe.hgetall(ks[5])
-        res = pipe.execute()
-        out = {"backend": self.kind, "url": self.url, "namespace": self.namespace, "shards": self.shards,
-               "entries": sum(int(x) for x in res[0::3]), "bytes": sum(int(x or 0) for x in res[1::3])}
-        counters = dict.fromkeys(STORE_COUNTERS, 0)
-        for h in res[2::3]:
-            for k, v in h.items():
-                name = k.decode() if isinstance(k, bytes) else str(k)
-                if name in counters:
-                    counters[name] += int(v)
-        out.update(counters)
-        out["server"] = self._server_info(c)
-        return out
-
-    def _server_info(self, c) -> dict:
-        """Summed INFO of the server(s): memory used, keys the server itself evicted or expired."""
-        info = c.info()
-        infos = list(info.values()) if info and isinstance(next(iter(info.values())), dict) else [info]
-        out: dict = {"nodes": len(infos)}
-        for k in ("used_memory", "evicted_keys", "expired_keys"):
-            out[k] = sum(int(i.get(k, 0)) for i in infos)
-        out["maxmemory_policy"] = sorted({str(i.get("maxmemory_policy", "?")) for i in infos})
-        return out
-
-    def store_stats(self) -> dict:
-        """Whole-store figures from the server (every client's counters): ``entries``, ``bytes``, ``puts``,
-        ``hits``, ``misses``, ``corrupt``, ``foreign``, ``evicted`` (by the budget), ``lost`` (indexed
-        entries found gone: the server's maxmemory eviction, expiry, a node lost) and ``server`` (INFO).
-        ``available`` False (and the reason) when the store cannot be reached."""
-        out, ok = self._call("stats", self._store_stats, None)
-        if not ok:
-            return {"backend": self.kind, "url": self.url, "available": False}
-        out["available"] = True
-        return out
-
-    def gc(self, verify: bool = False) -> dict:
-        """Remove orphaned parts: entries without bookkeeping (left when the server evicted the
-        bookkeeping keys under ``allkeys-*``), bookkeeping of entries that are gone, and recompute each
-        shard's byte total. ``verify``: also read every entry and drop those that fail their checksum.
-        Returns counts (``orphans``, ``stale``, ``corrupt``, ``checked``, ``total_fixed_bytes``)."""
-        def run():
-            c = self._get_client()
-            seen: dict[int, set] = {s: set() for s in range(self.shards)}
-            out = {"checked": 0, "orphans": 0, "stale": 0, "corrupt": 0, "total_fixed_bytes": 0}
-            for k in self._scan_entries(c):
-                sm = self._member_of(bytes(k))
-                if sm is None:
-                    continue
-                seen[sm[0]].add(sm[1])
-            for s in range(self.shards):
-                ks = self._keys_of(s)
-                pipe = c.pipeline(transaction=False)
-                pipe.zrange(ks[1], 0, -1)
-                pipe.hkeys(ks[2])
-                pipe.hkeys(ks[3])
-                z, h1, h2 = pipe.execute()
-                for m in seen[s] | set(z) | set(h1) | set(h2):
-                    out["checked"] += 1
-                    r = self._script("gc_member")(keys=self._keys_of(s, m), args=[m])
-                    r = r.decode() if isinstance(r, bytes) else str(r)
-                    if r in ("orphan", "stale"):
-                        out[r + "s" if r == "orphan" else r] += 1
-                    elif verify and m in seen[s]:
-                        raw = c.get(self._keys_of(s, m)[0])
-                        if raw is None:
-                            continue
-                        try:
-                            record.decode(raw, expect_key=m.decode("utf-8", "replace"))
-                        except ForeignEntryError:
-                            continue
-                        except CorruptEntryError:
-                            self._script("delete")(keys=self._keys_of(s, m), args=[m, hashlib.sha1(raw).hexdigest(),
-                                                                                 "corrupt"])
-                            out["corrupt"] += 1
-                old, new = self._script("gc_total")(keys=ks, args=[])
-                out["total_fixed_bytes"] += abs(int(old) - int(new))
-            return out
-        res, ok = self._call("gc", run, None)
-        if not ok:
-            raise StoreUnavailableError(f"{type(self).__name__} at {self.url}: gc failed (store unavailable)")
-        return res
 
     def close(self) -> None:
         if not self._closed and self._client is not None:
