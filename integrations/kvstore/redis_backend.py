@@ -295,41 +295,6 @@ class RedisBackend(RedisMaintenance, ChunkBackend):
                 self._evict_across_shards(shard, member)
         return ok
 
-    def _evict_across_shards(self, shard: int, member: bytes) -> None:
-        """Evict the lowest-scoring entries of all shards until their total fits the budget (not
-        atomic with other clients' puts: the budget can be exceeded by the puts in flight, until
-        the next put)."""
-        def each_shard(cmd):
-            """``cmd(pipe, shard)`` on every shard; the replies, None for a shard that failed (its node down:
-            the budget is kept over the shards that answer)."""
-            pipe = self._get_client().pipeline(transaction=False)
-            for s in range(self.shards):
-                cmd(pipe, s)
-            return [None if isinstance(v, Exception) else v for v in pipe.execute(raise_on_error=False)]
-
-        total, ok = self._call("eviction", lambda: sum(int(v or 0) for v in each_shard(
-            lambda p, s: p.get(self._keys_of(s)[4]))), 0)
-        rounds = 0
-        while ok and total > self.budget_bytes and rounds < 8:
-            rounds += 1
-            lows, ok = self._call("eviction", lambda: each_shard(
-                lambda p, s: p.zrange(self._keys_of(s)[1], 0, 3, withscores=True)), [])
-            cands = sorted((sc, s, m) for s, rows in enumerate(lows) for m, sc in (rows or [])
-                           if not (s == shard and m == member))
-            if not cands:
-                return
-            for sc, s, m in cands:
-                if total <= self.budget_bytes:
-                    return
-                freed, ok = self._call("eviction", lambda: self._script("evict")(
-                    keys=self._keys_of(s, m), args=[m, repr(sc)]), -1, s)
-                if not ok:
-                    ok = True
-                    continue
-                if int(freed) >= 0:
-                    total -= int(freed)
-                    self._counters["evictions"] += 1
-
     def _get(self, key: str) -> Entry | None:
         member = record.key_bytes(key)
         shard = self._shard_of(member)

@@ -1,4 +1,5 @@
-"""Whole-store statistics and garbage collection of the Redis backends (a mixin of RedisBackend)."""
+"""The budget across shards, whole-store statistics and garbage collection of the Redis backends (a
+mixin of RedisBackend)."""
 from __future__ import annotations
 
 import hashlib
@@ -22,11 +23,62 @@ class RedisMaintenance:
         def shards(self) -> int: ...
 
         _call: Any
+        _counters: dict
+        budget_bytes: int | None
+        _node_of: Any
+        _conn_errors: tuple
         _get_client: Any
         _keys_of: Any
         _script: Any
         _scan_entries: Any
         _member_of: Any
+
+    def _evict_across_shards(self, shard: int, member: bytes) -> None:
+        """Evict the lowest-scoring entries of all shards until their total fits the budget (not
+        atomic with other clients' puts: the budget can be exceeded by the puts in flight, until
+        the next put)."""
+        def each_shard(cmd):
+            """``cmd(pipe, shard)`` on every shard; the replies, None for a shard that failed (its node down:
+            the budget is kept over the shards that answer)."""
+            c = self._get_client()
+            pipe = c.pipeline(transaction=False)
+            for s in range(self.shards):
+                cmd(pipe, s)
+            try:
+                return [None if isinstance(v, Exception) else v for v in pipe.execute(raise_on_error=False)]
+            except self._conn_errors:  # one node down fails the pipeline: shard by shard, that node's skipped
+                out, dead = [], set()
+                for s in range(self.shards):
+                    node = self._node_of(s)
+                    try:
+                        out.append(None if node in dead else cmd(c, s))
+                    except self._conn_errors:
+                        dead.add(node)
+                        out.append(None)
+                return out
+
+        total, ok = self._call("eviction", lambda: sum(int(v or 0) for v in each_shard(
+            lambda p, s: p.get(self._keys_of(s)[4]))), 0)
+        rounds = 0
+        while ok and total > self.budget_bytes and rounds < 8:
+            rounds += 1
+            lows, ok = self._call("eviction", lambda: each_shard(
+                lambda p, s: p.zrange(self._keys_of(s)[1], 0, 3, withscores=True)), [])
+            cands = sorted((sc, s, m) for s, rows in enumerate(lows) for m, sc in (rows or [])
+                           if not (s == shard and m == member))
+            if not cands:
+                return
+            for sc, s, m in cands:
+                if total <= self.budget_bytes:
+                    return
+                freed, ok = self._call("eviction", lambda: self._script("evict")(
+                    keys=self._keys_of(s, m), args=[m, repr(sc)]), -1, s)
+                if not ok:
+                    ok = True
+                    continue
+                if int(freed) >= 0:
+                    total -= int(freed)
+                    self._counters["evictions"] += 1
 
     def _store_stats(self) -> dict:
         c = self._get_client()
@@ -73,8 +125,9 @@ class RedisMaintenance:
     def gc(self, verify: bool = False) -> dict:
         """Remove orphaned parts: entries without bookkeeping (left when the server evicted the
         bookkeeping keys under ``allkeys-*``), bookkeeping of entries that are gone, and recompute each
-        shard's byte total. ``verify``: also read every entry and drop those that fail their checksum.
-        Returns counts (``orphans``, ``stale``, ``corrupt``, ``checked``, ``total_fixed_bytes``)."""
+        shard's byte total; with a budget, evict down to it (puts during an outage can leave the store
+        over it). ``verify``: also read every entry and drop those that fail their checksum. Returns
+        counts (``orphans``, ``stale``, ``corrupt``, ``checked``, ``total_fixed_bytes``, ``evicted``)."""
         def run():
             c = self._get_client()
             seen: dict[int, set] = {s: set() for s in range(self.shards)}
@@ -115,4 +168,8 @@ class RedisMaintenance:
         res, ok = self._call("gc", run, None)
         if not ok:
             raise StoreUnavailableError(f"{type(self).__name__} at {self.url}: gc failed (store unavailable)")
+        if self.budget_bytes is not None:  # puts during an outage can leave the store over its budget
+            before = self._counters["evictions"]
+            self._evict_across_shards(-1, b"")
+            res["evicted"] = self._counters["evictions"] - before
         return res
