@@ -233,9 +233,9 @@ class RedisBackend(RedisMaintenance, ChunkBackend):
         self._down_at.pop("all", None)
         if node is not None:
             self._down_at.pop(node, None)
-        if k in ("all", "multi"):
+        if k == "all":
             self._failing_keys.clear()
-        else:
+        else:  # a shard (or a call on many: it may have skipped a dead node's shards) works again
             self._failing_keys.discard(k)
         return out, True
 

@@ -248,7 +248,7 @@ def test_master_killed_during_reads_and_saves_then_failover_and_return():
         assert not bad, bad[:5]
         assert during["miss"] > 0 and during["hit"] > 0  # the dead master's shards missed, the others did not
         unavailable = [w for w in caught if issubclass(w.category, StoreUnavailableWarning)]
-        assert 1 <= len(unavailable) <= 3, [str(w.message) for w in unavailable]
+        assert len(unavailable) == 1, [str(w.message) for w in unavailable]  # one per outage
         assert failover_s < 15
         # after the failover: every shard answers; what was replicated is still there, and correct
         got = {k: s.get(k) for k in keys}
