@@ -29,8 +29,7 @@ from kvz.benchmarks.harness import code_revision, loadavg, machine_info, parser,
 def tiled_cache(path: str, tokens: int):
     """The sample at ``path`` repeated along its tokens to ``tokens`` positions."""
     from alignpred import load_cache
-    from alignpred.cache.cachefile import Cache
-    from alignpred.cache.layout import infer_layout
+    from alignpred.cache import Cache, infer_layout
 
     c = load_cache(path)
     t = {}
@@ -66,11 +65,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    import alignpred.gpu as GD
     from alignpred import KvzReader, compress
-    from alignpred.gpu import decoder as GD
-    from alignpred.gpu import kernels as K
 
-    sim = K.SIMULATED
+    sim = GD.simulated()
     T = args.tokens or (64 if sim else 8192)
     if T < 1 or args.repeats < 1:
         ap.error("--tokens and --repeats must be at least 1")

@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # alignpred's layers, lowest first: a module may import its own layer and the ones below it.
 LAYERS = [("errors", "_version", "io", "threads", "metrics"), ("kernels",), ("entropy",), ("cache",), ("bank",), ("codec",),
-          ("format",)]
+          ("format",), ("gpu",)]
 RANK = {name: i for i, group in enumerate(LAYERS) for name in group}
-PUBLIC_PACKAGES = ("cache", "bank", "codec", "entropy", "kernels", "format")
+PUBLIC_PACKAGES = ("cache", "bank", "codec", "entropy", "kernels", "format", "gpu")
 PUBLIC_LEAVES = ("io", "threads", "errors", "metrics")
 
 
