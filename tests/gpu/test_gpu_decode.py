@@ -23,6 +23,7 @@ from alignpred import Bank, CodecConfig, KvzReader, compress, fit_bank, load_cac
 from alignpred.errors import FormatError  # noqa: E402
 from alignpred.gpu import decoder as GD  # noqa: E402
 from alignpred.gpu import entropy as GE  # noqa: E402
+from alignpred.gpu import simulated  # noqa: E402
 
 VEC = os.path.join(ROOT, "format_spec", "vectors")
 MANIFEST = json.load(open(os.path.join(VEC, "manifest.json")))
@@ -196,14 +197,23 @@ MUTATIONS = {
 @pytest.mark.parametrize("coder", CODERS)
 @pytest.mark.parametrize("how", sorted(MUTATIONS))
 def test_corrupt_payload_same_error(tmp_path, coder, how):
+    """A changed payload behind a passing CRC: the GPU path raises the CPU path's error, or, where
+    the CPU decodes it without one (rans4 with its last words zeroed can still be a valid stream),
+    gives the CPU's bits."""
     r_cpu = _corrupt(_small(tmp_path, coder), 1, 1, MUTATIONS[how])
-    with pytest.raises(FormatError) as cpu:
-        r_cpu.read(tier="coarse")
+    try:
+        want = _cpu_plain(r_cpu)
+        cpu = None
+    except FormatError as e:
+        cpu = e
     r_gpu = _corrupt(KvzReader(r_cpu.path, bank=r_cpu._resolve_bank(), threads=1), 1, 1, MUTATIONS[how])
+    if cpu is None:
+        assert np.array_equal(_bits(GD.decode(r_gpu)), want), how
+        return
     with pytest.raises(FormatError) as gpu:
         GD.decode(r_gpu)
-    assert type(gpu.value) is type(cpu.value)
-    assert str(cpu.value).endswith(str(gpu.value)), (str(cpu.value), str(gpu.value))
+    assert type(gpu.value) is type(cpu)
+    assert str(cpu).endswith(str(gpu.value)), (str(cpu), str(gpu.value))
 
 
 def test_checksum_error_same(tmp_path):
@@ -230,6 +240,13 @@ def test_import_alignpred_loads_no_torch():
     assert out.stdout.strip() == "False"
 
 
+#: the simulator's full-size cases (a 448-token sample took over 400 s here, a 2K cache more): too slow
+#: for CI's 45 minutes on 2 cores; run them with KVZ_GPU_SIM_FULL=1 (or on a device)
+FULL = pytest.mark.skipif(not (os.environ.get("KVZ_GPU_SIM_FULL") or not simulated()),
+                          reason="full-size simulated GPU decodes: KVZ_GPU_SIM_FULL=1 runs them")
+
+
+@FULL
 @pytest.mark.slow
 @pytest.mark.parametrize("path", sample_paths(), ids=lambda p: os.path.basename(p).split(".")[0])
 def test_bundled_samples(tmp_path, path, real_bank):
@@ -252,6 +269,7 @@ def _check_cache(tmp_path, cache, bank, bs: int = 16, plain: bool = True):
 TEXTS = os.path.join(ROOT, "samples", "texts")
 
 
+@FULL
 @pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("text", ["english-prose", "python-code", "german-prose"])
@@ -268,6 +286,7 @@ def test_gemma_2k_of_each_sample(tmp_path, text, gemma, real_bank):
     _check_cache(tmp_path, load_cache(out), real_bank, plain=False)
 
 
+@FULL
 @pytest.mark.slow
 @pytest.mark.model
 def test_smollm2_cache(tmp_path):
