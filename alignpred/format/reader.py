@@ -76,10 +76,15 @@ class KvzReader:
     :class:`Bank`, a path, a registry id or name, or None (the embedded bank, or the registry's
     bank with the file's id). ``session``: a :class:`DecoderSession` (default: a shared one).
     ``threads``: decode object ranges in parallel on this many threads (default: the cores
-    this process may use); the decoded bits do not depend on it.
+    this process may use); ``split``: cut a range into ``threads x split`` parts, which the
+    threads take as they come free (default 1: one part per thread), so that a thread slowed by
+    other work on its core (an idle-priority helper on an engine's core,
+    :func:`alignpred.threads.place_threads`) holds back one small part, not a share. The decoded
+    bits depend on neither.
     """
 
-    def __init__(self, source, bank=None, session: DecoderSession | None = None, threads: int | None = None):
+    def __init__(self, source, bank=None, session: DecoderSession | None = None, threads: int | None = None,
+                 split: int = 1):
         self._buf, self.path = _buffer(source)
         self._ranged = source if isinstance(source, RangedSource) else None
         try:
@@ -98,6 +103,7 @@ class KvzReader:
         self._decoder: Decoder | None = None
         self.session = session or DEFAULT_SESSION
         self.threads = default_threads() if threads is None else max(1, int(threads))
+        self.split = max(1, int(split))
         self.objects_decoded = 0
         self._count_lock = threading.Lock()
 
@@ -310,7 +316,7 @@ class KvzReader:
         direct = out is not None and cut.start == 0 and cut.stop == n_rows  # straight into the caller's buffer
         dec = self.decoder
         rf = self._refine_fetch if self._tier(tier) else None
-        k = max(1, min(self.threads, j1 - j0))
+        k = max(1, min(self.threads * (self.split if self.threads > 1 else 1), j1 - j0))
         edges = [j0 + (j1 - j0) * i // k for i in range(k + 1)]
         groups = [(edges[i], edges[i + 1]) for i in range(k) if edges[i + 1] > edges[i]]
         dests: dict = {}
@@ -357,7 +363,7 @@ class KvzReader:
             if len(gens) == 1:
                 steps = ([r] for r in gens[0])
             else:
-                pool = _pool(len(gens))
+                pool = _pool(min(self.threads, len(gens)))
                 steps = lockstep(pool, gens, whole or bool(tile))
             for results in stepwise(blas, steps):
                 ti, name, _ = results[0]

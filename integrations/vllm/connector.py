@@ -23,8 +23,11 @@ default the served model name), ``budget_bytes`` (store budget), ``namespace`` (
 ``threads`` (kvz's encode threads), ``load_cores`` (the cores kvz's load thread runs on, a CPU
 list like ``"2-3"``; default: the cores vLLM's CPU worker does not bind — those not in
 ``VLLM_CPU_OMP_THREADS_BIND`` — or all cores when it binds every one), ``decode_threads`` (threads
-one load decodes with; default one per load core), ``load_deadline_s`` (default 30: a step's loads
-not complete by then are cancelled and recomputed), ``layerwise`` (default True: the forward
+one load decodes with; default one per load core), ``idle_cores`` (with the decode process: cores
+it may also decode on at idle priority, so only while the engine's thread there sleeps — as the
+forward does while it waits for a layer; default ``auto``: the cores that are not load cores;
+``none`` to switch off; :func:`~kvz.integrations.vllm.loader.idle_cores`), ``load_deadline_s``
+(default 30: a step's loads not complete by then are cancelled and recomputed), ``layerwise`` (default True: the forward
 waits per layer; False: every load completes before the forward starts), ``decode_process``
 (default True: loads decode in kvz's own process on the load cores, out of the engine's GIL:
 :mod:`~kvz.integrations.vllm.decode_worker`; False, or a process that fails: in the load thread),
@@ -164,11 +167,12 @@ class KvzConnector(KVConnectorBase_V1):
         self.load_deadline_s = float(get("load_deadline_s", 30.0))
         sw = get("switch_interval_s", 2e-4)  # see the module docstring
         self.switch_interval_s = None if sw in (None, 0, "0") else float(sw)
-        from .loader import load_cores
+        from .loader import idle_cores, load_cores
 
         self.load_cores, self.load_cores_reason = load_cores(get("load_cores", None))
         dt = get("decode_threads", None)
         self.decode_threads = int(dt) if dt is not None else len(self.load_cores)
+        self.idle_cores, self.idle_cores_reason = idle_cores(get("idle_cores", None), self.load_cores)
         self._save_q: queue.Queue | None = None
         self._save_thread: threading.Thread | None = None
         self.timings = {"load_s": 0.0, "decode_s": 0.0, "copy_s": 0.0, "read_s": 0.0, "blocked_s": 0.0,
@@ -267,8 +271,9 @@ class KvzConnector(KVConnectorBase_V1):
         self._layer_of = {name: i for i, (name, _) in enumerate(items)}
         self._paged = PagedLayout(items, self.block_size, self.info["shape"],
                                   self._vllm_config.cache_config.cache_dtype)
-        logger.info("kvz connector: loads on cores %s (%s), %d decode thread(s), deadline %g s, layerwise %s",
-                    self.load_cores, self.load_cores_reason, self.decode_threads, self.load_deadline_s, self.layerwise)
+        logger.info("kvz connector: loads on cores %s (%s), %d decode thread(s), idle-priority cores %s (%s), "
+                    "deadline %g s, layerwise %s", self.load_cores, self.load_cores_reason, self.decode_threads,
+                    self.idle_cores, self.idle_cores_reason, self.load_deadline_s, self.layerwise)
         if self.warmup or self.profile_setting == "auto" or self.decode_process:
             self._warm = self._load_thread_pool().submit(self._warm_up)
 
@@ -284,7 +289,8 @@ class KvzConnector(KVConnectorBase_V1):
             from .decode_worker import start_worker
 
             self._decoder = start_worker(*self._decoder_args, self.load_cores, self.decode_threads,
-                                         int(self._vllm_config.model_config.max_model_len), warn=warn)
+                                         int(self._vllm_config.model_config.max_model_len), warn=warn,
+                                         idle_cores=self.idle_cores)
             if self._decoder is not None:
                 self.timings["decode_process_warmup_s"] = self._decoder.warmup_s
         if self.profile_setting != "auto":
@@ -312,7 +318,11 @@ class KvzConnector(KVConnectorBase_V1):
         counters, the load cores and the profile choice (``auto``: with its measurements)."""
         return {"timings": dict(self.timings), "counters": dict(self.store.counters),
                 "profile": dict(self.profile_choice), "load_cores": list(self.load_cores),
-                "load_cores_reason": self.load_cores_reason, "layerwise": self.layerwise,
+                "load_cores_reason": self.load_cores_reason, "idle_cores": list(self.idle_cores),
+                "idle_cores_reason": self.idle_cores_reason,
+                "decode_process": None if self._decoder is None else {"placement": self._decoder.placement,
+                                                                       "error": self._decoder.error},
+                "layerwise": self.layerwise,
                 "load_deadline_s": self.load_deadline_s}
 
     # ------------------------------------------------------------------ worker side: load

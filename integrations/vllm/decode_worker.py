@@ -8,7 +8,13 @@ values/s (2-core Xeon). A process of its own, pinned to the load cores, has its 
 The parent (:class:`DecodeWorker`, in the engine) starts ``python -m
 kvz.integrations.vllm.decode_worker FD`` with one end of a socket pair; the child opens the same
 store (the store URL and the :class:`~kvz.integrations.vllm.store.BlockStore` settings), warms the
-codec, and answers ``("ready", seconds)``. Per engine step the parent sends ``("step", sid,
+codec, and answers ``("ready", seconds, placement)``. Its decode threads: ``threads`` on the load cores, plus
+one per *idle core* (the engine's own cores) at Linux's ``SCHED_IDLE`` priority, which runs only
+while nothing else wants that core — on an engine core, while the forward sleeps waiting for a
+layer. With idle cores each load's range is cut into :data:`SPLIT` parts per thread, taken as
+threads come free, so the forward preempting an idle thread holds back one small part.
+
+Per engine step the parent sends ``("step", sid,
 [(segment, offset, tokens)], deadline, shm_name)``; the child opens each segment as the in-thread
 path does (:meth:`BlockStore.open_segment`, the same checks), then, layer by layer and for every
 load in lock-step, decodes into the shared-memory block at the load's ``offset`` (``[layers, 2,
@@ -40,6 +46,8 @@ logger = logging.getLogger("kvz.integrations.vllm")
 
 #: seconds the parent waits for the child's warm-up (compiling from an empty numba cache included)
 READY_TIMEOUT_S = 180.0
+#: parts per decode thread of a load's range when idle cores are used (KvzReader's ``split``)
+SPLIT = 4
 
 
 def _layer_bytes(tokens: int, shape) -> int:
@@ -118,13 +126,14 @@ class DecodeWorker:
 
     ``store_url``/``store_kw``: what :func:`~kvz.integrations.vllm.store.open_backend` takes;
     ``store_settings``: :class:`~kvz.integrations.vllm.store.BlockStore`'s keyword arguments (plain
-    values); ``cores``: the CPUs the child is pinned to; ``threads``: its decode threads;
+    values); ``cores``: the CPUs the child is pinned to; ``threads``: its decode threads there;
+    ``idle_cores``: CPUs it also decodes on, one idle-priority thread each (see the module docstring);
     ``max_tokens``: the most tokens one step loads (the engine's ``max_model_len``): both shared
     blocks are made and their pages touched now, in both processes, not in the first hit (an 8K
     hit's first request took 1.34 s against 0.34 s once the blocks existed)."""
 
     def __init__(self, store_url, store_kw: dict, store_settings: dict, cores, threads: int = 1,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, idle_cores=()):
         self.shape = tuple(store_settings["shape"])
         self.dtype = str(store_settings["dtype"])
         self.error: str | None = None
@@ -137,18 +146,20 @@ class DecodeWorker:
         self._sock = parent
         self._conn = Connection(os.dup(parent.fileno()))
         env = dict(os.environ)
-        env.setdefault("NUMBA_NUM_THREADS", str(max(1, threads)))
+        env.setdefault("NUMBA_NUM_THREADS", str(max(1, threads) + len(idle_cores)))
         self.proc = subprocess.Popen([sys.executable, "-m", "kvz.integrations.vllm.decode_worker", str(child.fileno())],
                                      pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
         child.close()
         names = []
         if max_tokens:
             names = [self._block(self.shape[0] * _layer_bytes(int(max_tokens), self.shape), i).name for i in (0, 1)]
-        self._send(("init", store_url, dict(store_kw), dict(store_settings), sorted(cores), int(threads), names))
+        self._send(("init", store_url, dict(store_kw), dict(store_settings), sorted(cores), int(threads), names,
+                    sorted(idle_cores)))
         msg = self._recv(time.monotonic() + READY_TIMEOUT_S)
         if msg[0] != "ready":
             raise RuntimeError(f"kvz decode process did not start: {msg}")
         self.warmup_s = float(msg[1])
+        self.placement = msg[2] if len(msg) > 2 else []  # per decode thread: (cores, "normal" | "idle")
 
     # -- transport
     def _send(self, msg) -> None:
@@ -241,14 +252,15 @@ def _touch(shm: SharedMemory) -> None:
 
 
 def start_worker(store_url, store_kw: dict, store_settings: dict, cores, threads: int, max_tokens: int,
-                 warn=print) -> DecodeWorker | None:
+                 warn=print, idle_cores=()) -> DecodeWorker | None:
     """A started :class:`DecodeWorker`, or None (with a warning) where it does not start."""
     try:
-        w = DecodeWorker(store_url, store_kw, store_settings, cores, threads, max_tokens=max_tokens)
+        w = DecodeWorker(store_url, store_kw, store_settings, cores, threads, max_tokens=max_tokens,
+                         idle_cores=idle_cores)
     except Exception as e:  # noqa: BLE001 - loads decode in the load thread instead
         warn(f"kvz: the decode process did not start ({type(e).__name__}: {e}); loads decode in the load thread")
         return None
-    logger.info("kvz: loads decode in kvz's process %d (cores %s)", w.proc.pid, sorted(cores))
+    logger.info("kvz: loads decode in kvz's process %d (threads on cores, priority: %s)", w.proc.pid, w.placement)
     return w
 
 
@@ -267,17 +279,43 @@ def _attach(name: str) -> SharedMemory:
     return shm
 
 
+def _place_threads(cores: list, threads: int, idle: list) -> list:
+    """Pin kvz's decode threads in this process: ``threads`` on ``cores``, then one per ``idle``
+    core at ``SCHED_IDLE`` (:func:`alignpred.threads.place_threads`). Returns each thread's
+    ``(cores, priority)``; a placement the OS refuses leaves that thread as it was (said there)."""
+    if not idle:
+        return [(cores, "normal")] * max(1, threads)
+    from alignpred.threads import place_threads
+
+    n = max(1, threads)
+
+    def setup(i: int):
+        want = (cores, "normal") if i < n else ([idle[i - n]], "idle")
+        try:
+            os.sched_setaffinity(0, set(want[0]))
+            if want[1] == "idle":
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError) as e:
+            return (want[0], f"{want[1]} refused ({e})")
+        return want
+
+    return place_threads(n + len(idle), setup)
+
+
 def _child(fd: int) -> int:
     from alignpred.cache import numpy_dtype
 
     from .store import BlockStore, open_backend
 
     conn = Connection(fd)
-    _, url, store_kw, settings, cores, threads, names = conn.recv()
+    _, url, store_kw, settings, cores, threads, names, idle = conn.recv()
     try:
         os.sched_setaffinity(0, set(cores))
     except (AttributeError, OSError):
         pass
+    placement = _place_threads(list(cores), int(threads), list(idle))
+    split = SPLIT if idle else 1
+    threads = max(1, int(threads)) + len(idle)
     store = BlockStore(open_backend(url, **store_kw), **settings)
     t0 = time.perf_counter()
     try:
@@ -287,7 +325,7 @@ def _child(fd: int) -> int:
     L, H, d = store.shape
     dt = numpy_dtype(store.dtype)
     shms: dict = {name: _attach(name) for name in names}
-    conn.send(("ready", time.perf_counter() - t0))
+    conn.send(("ready", time.perf_counter() - t0, placement))
     pending: collections.deque = collections.deque()  # messages read while a step ran
 
     def cancelled_now(sid) -> bool:
@@ -315,6 +353,7 @@ def _child(fd: int) -> int:
         for j, (seg, off, n) in enumerate(loads):
             try:
                 reader, tokens, src = store.open_segment(seg, deadline, threads)
+                reader.split = split
                 closers.append(src)
                 block = np.ndarray((L, 2, H, n, d), dtype=dt, buffer=shm.buf, offset=off)
                 gens[j] = iter(reader.layers(tokens=tokens, out=lambda i, b=block: (b[i, 0], b[i, 1])))

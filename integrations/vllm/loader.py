@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["parse_cpus", "load_cores", "LayerPrefetch", "LoadJob", "StepLoad"]
+__all__ = ["parse_cpus", "load_cores", "idle_cores", "LayerPrefetch", "LoadJob", "StepLoad"]
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -82,6 +82,27 @@ def load_cores(setting=None) -> tuple[list[int], str]:
     if bound and free:
         return sorted(free), f"cores not bound by the engine ({why})"
     return sorted(cpus), "all cores (the engine's binding is unknown or covers every core: shared)"
+
+
+def idle_cores(setting, load: list[int]) -> tuple[list[int], str]:
+    """The cores kvz's decode process may also use at idle priority, and why: by default (``None`` or
+    ``"auto"``) the machine's cores that are not load cores (the engine's own: its forward sleeps
+    there while it waits for a layer, and an idle-priority thread runs only then); ``"none"`` (or
+    ``""``, ``False``, ``0``) for none; else a CPU list. Never a load core.
+
+    >>> idle_cores("none", [1])
+    ([], 'idle_cores setting: none')
+    >>> idle_cores("0,1", [1])
+    ([0], 'idle_cores setting')
+    """
+    if setting in (False, 0, "", "0", "none", "None"):
+        return [], "idle_cores setting: none"
+    cpus = _machine_cpus()
+    if setting not in (None, "auto"):
+        chosen = set(setting) if isinstance(setting, (list, tuple, set)) else parse_cpus(str(setting))
+        return sorted((chosen & cpus) - set(load)), "idle_cores setting"
+    rest = sorted(cpus - set(load))
+    return rest, ("the engine's cores, at idle priority" if rest else "none: the loads run on every core")
 
 
 class LayerPrefetch:

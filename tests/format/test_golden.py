@@ -197,11 +197,12 @@ V11 = sorted(n for n, v in VECTORS.items() if v["compress"]["config"].get("arith
 
 @pytest.mark.parametrize("name", V11)
 def test_decode_is_the_same_for_any_thread_count(name):
-    """Format 1.1: the same bits with 1, 2 and 4 decode threads, token ranges included."""
+    """Format 1.1: the same bits with 1, 2 and 4 decode threads, token ranges included, and with a
+    range cut into more parts than threads (``split``)."""
     vec = VECTORS[name]
     exp = expected(vec)
-    for threads in (1, 2, 4):
-        r = KvzReader(vpath(vec, "kvz"), bank=bank_of(vec), threads=threads)
+    for threads, split in ((1, 1), (2, 1), (4, 1), (2, 4)):
+        r = KvzReader(vpath(vec, "kvz"), bank=bank_of(vec), threads=threads, split=split)
         for tier in r.tiers:
             key = "dec" if tier == r.tiers[-1] else "coarse"
             for tname, arr in r.read(tier=tier).items():

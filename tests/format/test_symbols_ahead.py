@@ -71,3 +71,23 @@ def test_a_corrupt_payload_fails_at_its_tensor(files):
         assert names == [m.name for m in r.metas[:k]]
     good = KvzReader(data, bank=bank, threads=1).read(tokens=(256, 448))
     assert _same(KvzReader(bytes(bad), bank=bank, threads=2).read(tokens=(256, 448)), good)
+
+
+def test_split_ranges_same_bits_layer_by_layer(files):
+    """``split``: a range cut into threads x split parts taken as threads come free decodes the same
+    bits, layer by layer (what the vLLM connector's decode process reads), as one thread."""
+    from alignpred import CodecConfig
+
+    bank = files[1]
+    # 64-token objects: 7 of them in the 448-token sample, cut into 7 parts for 2 threads
+    data = compress(load_cache(sample_paths()[0]), None, eps=0.03, bank=bank, profile="fast",
+                    config=CodecConfig(object_size=64)).data
+    one = KvzReader(data, bank=bank, threads=1).read()
+    r = KvzReader(data, bank=bank, threads=2, split=4)
+    assert r.split == 4 and r.config.object_size == 64
+    n = 0
+    for i, k, v in r.layers():
+        for kind, arr in (("key", k), ("value", v)):
+            assert np.array_equal(arr.view(np.uint16), one[f"layers.{i}.{kind}"].view(np.uint16))
+        n += 1
+    assert n == r.layout.num_layers
