@@ -20,7 +20,7 @@ KVZ_VARIANTS: dict[str, dict] = {
     "kvz-pooled-cap3": dict(scope="pooled", tensor_cap=3.0),
     "kvz-pooled-nocap": dict(scope="pooled", tensor_cap=0.0),
     # error where the model is sensitive: per-tensor weights from the bank's sensitivity record
-    # (measured on the calibration texts by benchmarks/sensitivity.py), tensor cap 3
+    # (measured on the calibration texts by benchmarks/studies/rate/sensitivity.py), tensor cap 3
     "kvz-weighted": dict(scope="weighted", tensor_cap=3.0),
     # error where attention reads the cache (format 1.3): the weighted budget in the attention measure, channels by
     # the bank's attention statistics, positions by the prefill's attention (the KV carries its CaptureStats), the

@@ -6,12 +6,13 @@
   environments;
 * :mod:`.timing` - interleaved rounds with wall and CPU medians, a thread pool, a CPU probe;
 * :mod:`.output` - JSON / Markdown / plot writing;
-* :mod:`.cli` - the common command-line flags.
+* :mod:`.cli` - the common command-line flags, and :func:`run_study` (a study's ``main``);
+* :mod:`.native` - builds the C probes of ``benchmarks/native/``.
 
 Importing the harness loads neither numpy nor numba, so a benchmark can pin its threads
 (:func:`pin_threads`) after importing it.
 """
-from .cli import command_line, parser
+from .cli import command_line, parser, run_study
 from .machine import (
     THREAD_VARS,
     all_threads,
@@ -53,5 +54,5 @@ __all__ = ["BANK_NAME", "CALIB_DIR", "EVAL_DIR", "NO_EVAL", "Op", "RESULTS", "RO
            "THREAD_VARS", "WARM_SAMPLE", "all_threads", "bank_file", "bundled_bank", "caches_in", "children_cpu",
            "clean_env", "code_revision", "command_line", "cpu_name", "cpu_probe", "default_caches", "display_path",
            "eval_caches", "json_default", "limit_threads", "loadavg", "machine_info", "median", "median_time",
-           "package_versions", "parse_env", "parser", "pin_threads", "pmap", "pyplot", "read_json", "resolve_bank", "run_interleaved",
+           "package_versions", "parse_env", "parser", "pin_threads", "pmap", "pyplot", "read_json", "resolve_bank", "run_interleaved", "run_study",
            "sample_caches", "save_figure", "stem", "thread_counts", "timing", "warm_cores", "write_json", "write_text"]

@@ -33,8 +33,16 @@ def parser(doc: str | None, *, caches: str | None = None, quick: str | None = No
     return ap
 
 
+def module_name(parts) -> str:
+    """The name ``python -m`` runs a benchmark by: ``kvz.benchmarks.X`` (installed), or
+    ``benchmarks.studies.Q.X`` for a study (not installed: run from the repository root)."""
+    parts = list(parts)
+    return ".".join(["benchmarks", *parts] if parts and parts[0] == "studies" else ["kvz", "benchmarks", *parts])
+
+
 def running_module() -> str | None:
-    """``python -m kvz.benchmarks.X`` when this process runs a benchmark module (else None: argparse's default)."""
+    """``python -m kvz.benchmarks.X`` (``benchmarks.studies.Q.X``) when this process runs a benchmark
+    module (else None: argparse's default)."""
     path = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     folder = os.path.join(ROOT, "benchmarks") + os.sep
     if not (path.startswith(folder) and path.endswith(".py")):
@@ -42,10 +50,29 @@ def running_module() -> str | None:
     parts = os.path.relpath(path[:-3], folder).split(os.sep)
     if parts[-1] == "__main__":
         parts = parts[:-1]
-    return " ".join(["python", "-m", ".".join(["kvz", "benchmarks", *parts])])
+    return " ".join(["python", "-m", module_name(parts)])
 
 
 def command_line(module: str, argv=None) -> str:
-    """``python -m kvz.benchmarks.<module> ARGS`` as typed (``argv`` default: this process's)."""
+    """``python -m kvz.benchmarks.<module> ARGS`` as typed (``argv`` default: this process's); a
+    study's ``module`` is ``studies.<question>.<name>``."""
     args = sys.argv[1:] if argv is None else list(argv)
-    return " ".join(["python", "-m", f"kvz.benchmarks.{module}", *(shlex.quote(str(x)) for x in args)])
+    return " ".join(["python", "-m", module_name(module.split(".")), *(shlex.quote(str(x)) for x in args)])
+
+
+def run_study(ap: argparse.ArgumentParser, run, markdown, module: str, argv=None, *, json_default=None) -> dict:
+    """What a study's ``main`` does: parse ``argv``, ``result = run(args)`` (``args.command``: the command
+    line), write ``result`` to ``--json`` (``json_default`` when not given) and ``markdown(result)`` next to
+    it as ``.md``, print the Markdown; the result."""
+    from .output import write_json, write_text
+
+    args = ap.parse_args(argv)
+    args.command = command_line(module, argv)
+    result = run(args)
+    out = getattr(args, "json", None) or json_default
+    text = markdown(result)
+    if out:
+        write_json(result, out)
+        write_text(os.path.splitext(out)[0] + ".md", text)
+    print(text)
+    return result

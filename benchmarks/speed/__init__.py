@@ -37,7 +37,7 @@ caches; ``--quick``: the first two, fewer repeats, a 4,096-token prefill):
 7. a cProfile of one single-thread decode, and bit-identity of decodes across thread counts and
    processes.
 8. **entropy stage** - ns/symbol of kvz's rANS decode (``rans4``, the coder of its files) and of
-   ``lanes32`` on the residual symbols of the first cache (:mod:`kvz.benchmarks.entropy_lanes`'s
+   ``lanes32`` on the residual symbols of the first cache (:func:`.entropy_stage.real_objects`'s
    extraction and timing), next to published figures of other decoders (not measured here).
 9. **one chunk** - ``KvzReader(threads=1 | 2).read(tokens=(a, b))`` of one 256-token object range
    (the middle chunk of the first cache): ms per chunk and the 2-thread speed-up.

@@ -14,7 +14,9 @@ import os
 import tempfile
 import time
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native", "dot_peak.c")
+from ..harness.native import NATIVE
+
+SOURCE = os.path.join(NATIVE, "dot_peak.c")
 CHAINS = 12
 #: label: (function, int16 multiply-adds per loop iteration). AMX counts a quarter of its int8
 #: multiply-adds: the AMX map kernel forms each int16 product from four int8 tile products.
@@ -28,7 +30,7 @@ NO_ISA = -(2 ** 63)
 def dot_peak(reps: int = 7, iters: int = 2_000_000) -> dict:
     """``{"probes": {instruction: GMAC/s or None}, "peak_gmacs", "instruction"}``, or
     ``{"error": why}`` when the probe cannot be built."""
-    from ..entropy_native import NativeUnavailable, build
+    from ..harness.native import NativeUnavailable, build
 
     with tempfile.TemporaryDirectory(prefix="kvz-dot-peak-") as tmp:
         try:

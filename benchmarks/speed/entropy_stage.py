@@ -1,9 +1,9 @@
 """The entropy stage's decode speed in ns/symbol, measured in the speed run on the real residual symbols
 of a held-out cache, next to published figures of other single-thread static-model decoders.
 
-The symbols and the timing come from :mod:`kvz.benchmarks.entropy_lanes` (``real_objects``: the cache
+The symbols and the timing come from this module (:func:`real_objects`: the cache
 compressed at eps 0.0267 with the bundled bank, every object's payload decoded back to its symbols
-through the public reader and entropy API; ``time_decoders``: the decoders interleaved call by call,
+through the public reader and entropy API; :func:`time_decoders`: the decoders interleaved call by call,
 per object the minimum and the median over rounds, summed). Timed here: ``rans4`` (the coder kvz
 writes by default, the one in the benchmark's files) and ``lanes32`` (vectorised and portable), and
 ``lanes32`` as the decoder calls it, one call per tensor (:func:`tensor_timing`)."""
@@ -11,8 +11,78 @@ from __future__ import annotations
 
 import time
 
-from .config import PUBLISHED_ENTROPY, log
+from ..harness import BANK_NAME, stem
+from .config import EPS, PUBLISHED_ENTROPY, log
 from .measures import ns_per_symbol
+
+
+def real_objects(caches, log=print):
+    """``[(q, model_ids)]``: the symbol arrays of every coded object of ``caches``."""
+    import numpy as np
+
+    from alignpred import KvzReader, compress_bytes, entropy, load_cache
+
+    objs = []
+    for path in caches:
+        t = time.perf_counter()
+        data = compress_bytes(load_cache(path), bank=BANK_NAME, eps=EPS)
+        r = KvzReader(data)
+        coder = r.header["codec"]["entropy"]["coder"]
+        n_obj = r.n_objects_per_tensor
+        for ti, meta in enumerate(r.metas):
+            for j in range(n_obj):
+                e = r.index[ti * n_obj + j]
+                if e.length == 0:
+                    continue
+                ids = np.asarray(meta.models)
+                q = entropy.decode(data[e.offset:e.offset + e.length], ids, (ids.size, e.n_tokens), coder)
+                objs.append((q, ids))
+        log(f"{stem(path)}: {len(data):,} bytes, {len(objs)} objects so far ({time.perf_counter() - t:.1f} s)")
+    return objs
+
+
+def time_decoders(objs, decoders: dict, rounds: int) -> dict:
+    """ns/symbol of each decoder: the sum over objects of the per-object minimum (and median) over
+    ``rounds`` calls, the decoders interleaved call by call."""
+    n = sum(q.size for q, _ in objs)
+    acc = {k: [0.0, 0.0] for k in decoders}
+    for q, ids in objs:
+        out = q.copy()
+        ts = {k: [] for k in decoders}
+        for fn in decoders.values():
+            fn(q, ids, out)   # warm (compiles on the first object)
+        for _ in range(rounds):
+            for name, fn in decoders.items():
+                t = time.perf_counter()
+                fn(q, ids, out)
+                ts[name].append(time.perf_counter() - t)
+        for name, v in ts.items():
+            v.sort()
+            acc[name][0] += v[0]
+            acc[name][1] += v[len(v) // 2]
+    return {k: {"ns_per_symbol_min": 1e9 * v[0] / n, "ns_per_symbol_median": 1e9 * v[1] / n} for k, v in acc.items()}
+
+
+def lanes_decoders(objs, with_precisions: bool = False):
+    """The lanes32 decoders of this process (payloads encoded once) and whether they decode ``objs``."""
+    import numpy as np
+
+    from alignpred import entropy
+
+    bufs = {id(q): entropy.encode(q, ids, coder="lanes32") for q, ids in objs}
+
+    def dec(path):
+        return lambda q, ids, out: entropy.lanes_decode(bufs[id(q)], ids, q.shape, out=out, path=path)
+
+    decs = {"lanes32 vectorised": dec("simd"), "lanes32 portable": dec("portable")}
+    if with_precisions:   # the same decoder on 10- and 11-bit tables (4 and 8 KiB per model)
+        for p in (10, 11):
+            pb = {id(q): entropy.lanes_encode(q, ids, prec=p) for q, ids in objs}
+            decs[f"lanes32 vectorised, {p}-bit tables"] = (
+                lambda q, ids, out, pb=pb, p=p: entropy.lanes_decode(pb[id(q)], ids, q.shape, out=out, prec=p))
+    ok = all(np.array_equal(entropy.lanes_decode(bufs[id(q)], ids, q.shape, path=p), q)
+             for q, ids in objs for p in ("simd", "portable"))
+    return decs, ok
 
 
 def published_entropy(table=PUBLISHED_ENTROPY) -> list[dict]:
@@ -37,8 +107,6 @@ def entropy_timing(objs: list, rounds: int) -> dict:
 
     from alignpred import entropy
 
-    from ..entropy_lanes import lanes_decoders, time_decoders
-
     r4 = {id(q): entropy.encode(q, ids) for q, ids in objs}
 
     def rans4(q, ids, out):
@@ -54,7 +122,7 @@ def entropy_timing(objs: list, rounds: int) -> dict:
 
 def tensors_of(objs: list) -> list:
     """``objs`` (``[(q, model_ids)]`` in file order) grouped by tensor: consecutive objects sharing one
-    model-id array (:func:`~kvz.benchmarks.entropy_lanes.real_objects` passes each tensor's own)."""
+    model-id array (:func:`real_objects` passes each tensor's own)."""
     out: list = []
     for q, ids in objs:
         if out and out[-1][1] is ids:
@@ -113,8 +181,6 @@ def tensor_timing(objs: list, rounds: int, n_tensors: int = 4) -> dict:
 def entropy_section(cache_path: str, *, objects: int = 0, rounds: int = 5) -> dict:
     """The entropy stage on one held-out cache: ``objects`` of its coded objects (evenly spaced; 0 = all)
     timed ``rounds`` calls each, and the published figures."""
-    from ..entropy_lanes import real_objects
-    from ..harness import stem
 
     t0 = time.perf_counter()
     objs = real_objects([cache_path], log=log)

@@ -21,7 +21,7 @@ def test_relative_links_stay_in_the_repository(doc):
 
 
 def test_acceptance_refuses_a_missing_data_set(monkeypatch, capsys):
-    from kvz.benchmarks import acceptance
+    from benchmarks.studies.rate import acceptance
 
     monkeypatch.setattr("glob.glob", lambda *a, **k: [])
     # as a script it pins the thread variables for itself; inside the test run that would leak

@@ -1,4 +1,4 @@
-"""The AMX instruction-mix probe (benchmarks/amx_mix.py) runs and reports every way."""
+"""The AMX instruction-mix probe (benchmarks/studies/speed/amx_mix.py) runs and reports every way."""
 import json
 
 import pytest
@@ -8,7 +8,7 @@ from alignpred.kernels import amx_enabled
 
 @pytest.mark.skipif(not amx_enabled(), reason="needs AMX (amx-tile + amx-int8 and the tile state)")
 def test_probe_runs_and_writes_its_rows(tmp_path):
-    from kvz.benchmarks import amx_mix
+    from benchmarks.studies.speed import amx_mix
 
     out = tmp_path / "mix.json"
     res = amx_mix.main(["--sources", "2", "--rows", "64", "--rounds", "2", "--out", str(out)])
@@ -26,7 +26,7 @@ def test_probe_runs_and_writes_its_rows(tmp_path):
 
 
 def test_bad_arguments_are_usage_errors():
-    from kvz.benchmarks import amx_mix
+    from benchmarks.studies.speed import amx_mix
 
     with pytest.raises(SystemExit):
         amx_mix.main(["--rows", "8"])
@@ -34,7 +34,7 @@ def test_bad_arguments_are_usage_errors():
 
 def test_refused_where_amx_does_not_run(monkeypatch):
     from alignpred.kernels import amx_mix
-    from kvz.benchmarks import amx_mix as bench
+    from benchmarks.studies.speed import amx_mix as bench
 
     monkeypatch.setenv("KVZ_AMX", "0")
     with pytest.raises(RuntimeError, match="AMX"):

@@ -81,7 +81,7 @@ def test_map_source_variants_and_their_multiply_adds():
     """The map-source study's variants drop exactly the named sources, and the multiply-adds per
     value count every map's sources x d_in x d_out over all values (Gemma 3 270M: 612)."""
     from alignpred import CacheLayout
-    from kvz.benchmarks.map_sources import macs_per_value, variants
+    from benchmarks.studies.speed.map_sources import macs_per_value, variants
 
     lay = CacheLayout(num_layers=18, kv_heads=1, head_dim=256, n_tokens=2048, dtype="bfloat16")
     v = variants(lay)

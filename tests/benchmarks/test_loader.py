@@ -4,7 +4,7 @@ import pytest
 
 @pytest.mark.parametrize("flag", ["--threads", "--repeats", "--chunk"])
 def test_counts_below_one_are_usage_errors(flag, capsys):
-    from kvz.benchmarks import loader
+    from benchmarks.studies.speed import loader
 
     with pytest.raises(SystemExit) as e:
         loader.main([flag, "0"])

@@ -1,8 +1,8 @@
 """The map-rank study's pieces: cost formulas and reduced-rank maps (the measurement itself is
-``python -m kvz.benchmarks.map_rank``)."""
+``python -m benchmarks.studies.speed.map_rank``)."""
 import numpy as np
 
-from kvz.benchmarks import map_rank as M
+from benchmarks.studies.speed import map_rank as M
 
 
 def _stats(rank_true=4, n=400, d=16, d_out=16, seed=0):

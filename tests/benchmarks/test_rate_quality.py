@@ -244,7 +244,7 @@ def test_tiny_end_to_end(tmp_path):
 # ---------------------------------------------------------------------------- sensitivity summary
 
 def test_sensitivity_summary_recovers_an_additive_model():
-    from kvz.benchmarks import sensitivity as S
+    from benchmarks.studies.rate import sensitivity as S
 
     names = S._names(2)
     true_w = dict(zip(names, (0.5, 0.01, 2.0, 0.02)))

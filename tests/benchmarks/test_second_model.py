@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from kvz.benchmarks import second_model as S
+from benchmarks.studies.rate import second_model as S
 
 
 def _row(method, setting, doc, bpv, kl, start=0, top1=1.0, dnll=0.0):
@@ -66,7 +66,7 @@ def test_verdict_from_rows_per_doc_and_overall():
     rows = _rows("a", 1e-3, [(2.0, 1e-2), (4.0, 1e-4)], [(1.0, 1e-2), (3.0, 1e-4)])
     rows += _rows("b", 1e-3, [(3.0, 1e-2), (5.0, 1e-4)], [(2.8, 1e-2), (4.8, 1e-4)])
     res = S.assemble("tiny", {"docs": ["a", "b"], "per_doc": 1, "score_tokens": 4, "eps": [0.01, 0.02],
-                              "commands": ["kvz calibrate x", "python -m kvz.benchmarks.second_model y"]},
+                              "commands": ["kvz calibrate x", "python -m benchmarks.studies.rate.second_model y"]},
                      {"64": {"rows": rows, "prompts": []}})
     v = {r["scope"]: r for r in res["verdict"]["64"]}
     assert set(v) == {"overall", "a", "b"}
@@ -79,7 +79,7 @@ def test_verdict_from_rows_per_doc_and_overall():
     assert v["a"][S.ATTENTION]["nearest"]["setting"] in ("eps=0", "eps=1")
     md = S.markdown(res)
     assert "## Verdict at context 64" in md and "| a | 1.00e-03 | 8.00 |" in md and "0.667" in md
-    assert "    kvz calibrate x" in md and "`python -m kvz.benchmarks.second_model y`" in md
+    assert "    kvz calibrate x" in md and "`python -m benchmarks.studies.rate.second_model y`" in md
 
 
 def test_verdict_with_attention_out_of_range():

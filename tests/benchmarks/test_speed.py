@@ -197,7 +197,7 @@ def test_ns_per_symbol_and_published_figures():
     pub = S.published_entropy()
     assert [p["gib_per_s"] for p in pub] == [3.0, 1.8, 2.3, 2.5] and not any(p["measured_here"] for p in pub)
     assert {p["source"] for p in pub} == {"hypersonic-rANS", "htscodecs", "zstd"}
-    from kvz.benchmarks.entropy_lanes import PUBLISHED  # the same figures, given there in ns/symbol
+    from benchmarks.studies.speed.entropy_decode.lanes import PUBLISHED  # the same figures, given there in ns/symbol
 
     assert sorted(round(p["ns_per_symbol"], 2) for p in pub) == pytest.approx(sorted(PUBLISHED.values()), abs=0.011)
     assert S.spaced(list(range(10)), 3) == [0, 4, 9] and S.spaced([1, 2], 0) == [1, 2] and S.spaced([1, 2, 3], 1) == [2]
@@ -205,7 +205,7 @@ def test_ns_per_symbol_and_published_figures():
 
 def test_entropy_timing_on_synthetic_objects():
     from alignpred import entropy
-    from kvz.benchmarks.bench_entropy import typical_object
+    from benchmarks.studies.speed.entropy_decode.coders import typical_object
 
     rng = np.random.default_rng(3)
     objs = [(q, entropy.choose_models(q)) for q in (typical_object(rng, 8, 256), typical_object(rng, 4, 256))]

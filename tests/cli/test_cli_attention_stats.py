@@ -172,7 +172,7 @@ def test_real_gemma_capture_calibrate_roundtrip(gemma, tmp_path):
 @pytest.mark.model
 def test_calibrate_fit_reproduces_the_bundled_sidecar(gemma):
     """kvz calibrate's fit (fit_attention_stats) on the bundled bank's calibration prefills gives the
-    bundled sidecar (written by benchmarks/attention_gain.py --fit) to float32 rounding."""
+    bundled sidecar (written by benchmarks/studies/rate/attention_gain.py --fit) to float32 rounding."""
     from pathlib import Path
 
     from alignpred.bank import fit_attention_stats, resolve_bank

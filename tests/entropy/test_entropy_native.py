@@ -1,4 +1,4 @@
-"""The C ``lanes32`` decoder of ``kvz.benchmarks.entropy_native`` (benchmarks/native/lanes32_avx2.c):
+"""The C ``lanes32`` decoder of ``benchmarks.studies.speed.entropy_decode.native`` (benchmarks/native/lanes32_avx2.c):
 built with the system gcc when there is one (skipped otherwise), it must decode the library's
 payloads to the same symbols, and damaged payloads to the library's values or its error, without
 reading outside the payload (the words end at a guard page)."""
@@ -16,7 +16,7 @@ from alignpred.entropy import lanes
 from alignpred.errors import FormatError
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the native decoder")
-native_mod = pytest.importorskip("kvz.benchmarks.entropy_native")
+native_mod = pytest.importorskip("benchmarks.studies.speed.entropy_decode.native")
 
 
 @pytest.fixture(scope="module")

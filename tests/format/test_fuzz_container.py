@@ -399,9 +399,9 @@ def test_embedded_bank_array_names_must_be_unique_strings(files, work, bad):
     assert _check(work, rebuild(pre, payloads, b, h, entries), None) != "ok"
 
 
-# -- the corruption sweep script (benchmarks/corruption_sweep.py) on a small file ---------------
+# -- the corruption sweep script (benchmarks/studies/robustness/corruption_sweep.py) on a small file ---------------
 def test_corruption_sweep_detects_everything(files):
-    from kvz.benchmarks.corruption_sweep import sweep
+    from benchmarks.studies.robustness.corruption_sweep import sweep
 
     for which, stride in (("emb", 11), ("ext", 5)):
         raw, bank = files[which]

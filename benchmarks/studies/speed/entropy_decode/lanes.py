@@ -13,31 +13,26 @@ decode the same symbols.  Sizes: ``rans4`` against ``lanes32`` at 10..15-bit pro
 payloads from the encoder; decoders exist for <= 12 bits, where one 32-bit table entry holds
 frequency, slot bias and token).
 
-    python -m kvz.benchmarks.entropy_lanes            # -> benchmarks/results/entropy_lanes.{json,md}
+    python -m benchmarks.studies.speed.entropy_decode --study lanes   # -> benchmarks/results/entropy_lanes.{json,md}
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 
 from kvz.benchmarks.harness import (
-    BANK_NAME,
-    RESULTS,
+    ROOT,
     clean_env,
     code_revision,
-    command_line,
     loadavg,
     machine_info,
-    parser,
     sample_caches,
-    stem,
-    write_json,
-    write_text,
 )
+from kvz.benchmarks.speed.entropy_stage import lanes_decoders, real_objects, time_decoders
 
 EPS = 0.0267
 PRECS = (10, 11, 12, 13, 14, 15)
@@ -53,75 +48,6 @@ PUBLISHED = {  # single-thread static-model decoders (the issue's figures), ns p
     "htscodecs rans32x16 AVX2/AVX-512 (~2.3 GiB/s)": 0.41,
     "zstd Huff0 (~2.5 GiB/s)": 0.37,
 }
-
-
-def real_objects(caches, log=print):
-    """``[(q, model_ids)]``: the symbol arrays of every coded object of ``caches``."""
-    import numpy as np
-
-    from alignpred import KvzReader, compress_bytes, entropy, load_cache
-
-    objs = []
-    for path in caches:
-        t = time.perf_counter()
-        data = compress_bytes(load_cache(path), bank=BANK_NAME, eps=EPS)
-        r = KvzReader(data)
-        coder = r.header["codec"]["entropy"]["coder"]
-        n_obj = r.n_objects_per_tensor
-        for ti, meta in enumerate(r.metas):
-            for j in range(n_obj):
-                e = r.index[ti * n_obj + j]
-                if e.length == 0:
-                    continue
-                ids = np.asarray(meta.models)
-                q = entropy.decode(data[e.offset:e.offset + e.length], ids, (ids.size, e.n_tokens), coder)
-                objs.append((q, ids))
-        log(f"{stem(path)}: {len(data):,} bytes, {len(objs)} objects so far ({time.perf_counter() - t:.1f} s)")
-    return objs
-
-
-def time_decoders(objs, decoders: dict, rounds: int) -> dict:
-    """ns/symbol of each decoder: the sum over objects of the per-object minimum (and median) over
-    ``rounds`` calls, the decoders interleaved call by call."""
-    n = sum(q.size for q, _ in objs)
-    acc = {k: [0.0, 0.0] for k in decoders}
-    for q, ids in objs:
-        out = q.copy()
-        ts = {k: [] for k in decoders}
-        for fn in decoders.values():
-            fn(q, ids, out)   # warm (compiles on the first object)
-        for _ in range(rounds):
-            for name, fn in decoders.items():
-                t = time.perf_counter()
-                fn(q, ids, out)
-                ts[name].append(time.perf_counter() - t)
-        for name, v in ts.items():
-            v.sort()
-            acc[name][0] += v[0]
-            acc[name][1] += v[len(v) // 2]
-    return {k: {"ns_per_symbol_min": 1e9 * v[0] / n, "ns_per_symbol_median": 1e9 * v[1] / n} for k, v in acc.items()}
-
-
-def lanes_decoders(objs, with_precisions: bool = False):
-    """The lanes32 decoders of this process (payloads encoded once) and whether they decode ``objs``."""
-    import numpy as np
-
-    from alignpred import entropy
-
-    bufs = {id(q): entropy.encode(q, ids, coder="lanes32") for q, ids in objs}
-
-    def dec(path):
-        return lambda q, ids, out: entropy.lanes_decode(bufs[id(q)], ids, q.shape, out=out, path=path)
-
-    decs = {"lanes32 vectorised": dec("simd"), "lanes32 portable": dec("portable")}
-    if with_precisions:   # the same decoder on 10- and 11-bit tables (4 and 8 KiB per model)
-        for p in (10, 11):
-            pb = {id(q): entropy.lanes_encode(q, ids, prec=p) for q, ids in objs}
-            decs[f"lanes32 vectorised, {p}-bit tables"] = (
-                lambda q, ids, out, pb=pb, p=p: entropy.lanes_decode(pb[id(q)], ids, q.shape, out=out, prec=p))
-    ok = all(np.array_equal(entropy.lanes_decode(bufs[id(q)], ids, q.shape, path=p), q)
-             for q, ids in objs for p in ("simd", "portable"))
-    return decs, ok
 
 
 def worker(npz: str, rounds: int) -> dict:
@@ -179,26 +105,23 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    ap = parser(__doc__, caches="caches (default: the samples)", quick="two caches' worth of objects, fewer rounds",
-                json="JSON output", json_default=os.path.join(RESULTS, "entropy_lanes.json"))
-    ap.add_argument("--rounds", type=int, default=20, help="timed calls per object and decoder (default 20)")
-    ap.add_argument("--objects", type=int, default=0,
-                    help="time only this many objects, evenly spaced (sizes always use all; default all)")
-    ap.add_argument("--worker", help=argparse_hidden())
-    args = ap.parse_args(argv)
+def add_args(ap) -> None:
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def run(args) -> dict:
+    """The lanes32 study (``args``: caches, quick, rounds (default 20), objects (default all), worker)."""
     if args.worker:
-        print(json.dumps(worker(args.worker, args.rounds)))
-        return
+        return worker(args.worker, args.rounds or 20)
     import numpy as np
 
     from alignpred import entropy
 
     caches = args.caches or sample_caches()
     objs = real_objects(caches[:2] if args.quick else caches)
-    rounds = 6 if args.quick else args.rounds
+    rounds = 6 if args.quick else (args.rounds or 20)
     all_objs = objs
-    if 0 < args.objects < len(objs):
+    if args.objects and 0 < args.objects < len(objs):
         objs = [objs[round(k * (len(objs) - 1) / max(1, args.objects - 1))] for k in range(args.objects)]
     decs, ok = lanes_decoders(objs, with_precisions=True)
 
@@ -218,30 +141,18 @@ def main(argv=None) -> None:
         np.savez(npz, **arrays)
         for tname, env in TARGETS.items():
             env = {k: v for k, v in clean_env(env).items() if not (k.startswith("NUMBA_CPU") and k not in env)}
-            child = subprocess.run([sys.executable, "-m", "kvz.benchmarks.entropy_lanes", "--worker", npz,
-                                    "--rounds", str(rounds)], env=env, capture_output=True, text=True)
+            child = subprocess.run([sys.executable, "-m", "benchmarks.studies.speed.entropy_decode", "--study", "lanes",
+                                    "--worker", npz, "--rounds", str(rounds)], env=env, capture_output=True, text=True,
+                                   cwd=ROOT)
             if child.returncode != 0:
                 targets[tname] = {"error": child.stderr[-1500:]}
                 continue
             targets[tname] = json.loads(child.stdout.strip().splitlines()[-1])
             print(tname, json.dumps(targets[tname]))
-    res = {"command": command_line("entropy_lanes", argv), "revision": code_revision(), "machine": machine_info(),
-           "loadavg": loadavg(), "isa": entropy.lanes_isa(), "objects": len(all_objs), "rounds": rounds,
-           "lanes_prec": entropy.LANES_PREC, "timing": timing,
-           "targets": {k: v for k, v in targets.items() if "error" not in v},
-           "target_errors": {k: v["error"] for k, v in targets.items() if "error" in v},
-           "same_symbols": bool(ok and all(v.get("same_symbols") for v in targets.values())),
-           "timed_objects": len(objs), "sizes": sizes(all_objs), "published_ns_per_symbol": PUBLISHED}
-    write_json(res, args.json)
-    write_text(os.path.splitext(args.json)[0] + ".md", markdown(res))
-    print(markdown(res))
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
-
-
-if __name__ == "__main__":
-    main()
+    return {"command": args.command, "revision": code_revision(), "machine": machine_info(),
+            "loadavg": loadavg(), "isa": entropy.lanes_isa(), "objects": len(all_objs), "rounds": rounds,
+            "lanes_prec": entropy.LANES_PREC, "timing": timing,
+            "targets": {k: v for k, v in targets.items() if "error" not in v},
+            "target_errors": {k: v["error"] for k, v in targets.items() if "error" in v},
+            "same_symbols": bool(ok and all(v.get("same_symbols") for v in targets.values())),
+            "timed_objects": len(objs), "sizes": sizes(all_objs), "published_ns_per_symbol": PUBLISHED}

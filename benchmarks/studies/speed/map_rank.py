@@ -1,6 +1,6 @@
 """What low-rank prediction maps cost in bits: bits per value vs decode multiply-adds per rank.
 
-    python -m kvz.benchmarks.map_rank [--calib data/calib/*.safetensors] [--eval data/eval/*.safetensors]
+    python -m benchmarks.studies.speed.map_rank [--calib data/calib/*.safetensors] [--eval data/eval/*.safetensors]
                                       [--eps 0.0267] [--ranks 16 32 64 96 128 160]
                                       [--factored rrr_64 energy_0.99 resid_0.05] [--repeats 5]
                                       [--out benchmarks/results/map_rank.json]
@@ -44,7 +44,7 @@ import os
 import statistics
 import time
 
-from .harness import (
+from kvz.benchmarks.harness import (
     RESULTS,
     command_line,
     display_path,
@@ -353,7 +353,7 @@ def main(argv=None) -> dict:
             timing.append({"variant": n, "macs_per_value": by[n]["macs_per_value"], "bpv_mean": by[n]["bpv_mean"],
                            "bpv_vs_full": by[n]["bpv_vs_full"], "read_s": s, "mvps": n_values / s / 1e6,
                            "vs_full": secs["full"] / s})
-    res = {"command": command_line("map_rank", argv), "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    res = {"command": command_line("studies.speed.map_rank", argv), "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
            "eps": a.eps, "scope": "tensor", "bank_id": bank.id, "calib": [display_path(p) for p in calib],
            "eval": [n for n, _ in ev], "full_macs_per_value": full_macs, "repeats": a.repeats, "threads": 1,
            "rows": rows, "timing": timing}

@@ -11,7 +11,7 @@ from) are the floors; FP8 e4m3 (per-tensor scale) is for scale.
 
 Run::
 
-    python -m kvz.benchmarks.eps_table --prompts 12 --new-tokens 32
+    python -m benchmarks.studies.rate.eps_table --prompts 12 --new-tokens 32
 
 writes ``benchmarks/results/eps_table.json`` and ``eps_table.md`` (``--out DIR`` elsewhere).
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .harness import RESULTS, command_line, machine_info, parser, resolve_bank, write_json, write_text
+from kvz.benchmarks.harness import RESULTS, command_line, machine_info, parser, resolve_bank, write_json, write_text
 
 __all__ = ["EPS", "settings", "format_rows", "main"]
 
@@ -29,7 +29,7 @@ EPS = (0.005, 0.01, 0.02, 0.0267, 0.04, 0.06)
 
 def settings(bank, eps_list=EPS) -> dict:
     """``{row name: Setting}``: the bf16 floor, kvz lossless, kvz at each eps (tensor scope), FP8 e4m3."""
-    from .quality import fp8_setting, identity_setting, kvz_setting
+    from kvz.benchmarks.quality import fp8_setting, identity_setting, kvz_setting
 
     s = {"bf16 (the stored cache)": identity_setting("bf16"),
          "kvz --lossless": kvz_setting(bank, 0.0267, lossless=True)}
@@ -54,20 +54,20 @@ def format_rows(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__, prog="python -m kvz.benchmarks.eps_table", quiet=True)
+    ap = parser(__doc__, prog="python -m benchmarks.studies.rate.eps_table", quiet=True)
     ap.add_argument("--eps", default=",".join(f"{e:g}" for e in EPS), help="comma-separated eps values")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=256, help="prompt length in tokens (BOS included)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--out", default=str(RESULTS), help="output directory (eps_table.json, eps_table.md)")
     a = ap.parse_args(argv)
-    from .quality import run_quality
+    from kvz.benchmarks.quality import run_quality
 
     eps = [float(x) for x in a.eps.split(",") if x.strip()]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = {"bank": "gemma-3-270m (bundled)", "scope": "tensor", "sources": "eval",
-             "command": command_line("eps_table", argv), "machine": machine_info()}
+             "command": command_line("studies.rate.eps_table", argv), "machine": machine_info()}
 
     def save(res, stem):
         res["config"].update(extra)

@@ -1,6 +1,6 @@
 """What each source of the linear-map predictor costs and buys: bits vs decode multiply-adds.
 
-    python -m kvz.benchmarks.map_sources [--calib data/calib/*.safetensors] [--eval data/eval/*.safetensors]
+    python -m benchmarks.studies.speed.map_sources [--calib data/calib/*.safetensors] [--eval data/eval/*.safetensors]
                                          [--eps 0.0267] [--repeats 5] [--out benchmarks/results/map_sources.json]
 
 The exact integer map products are about half of a one-thread decode, and their cost is linear in
@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 
-from .harness import (
+from kvz.benchmarks.harness import (
     CALIB_DIR,
     RESULTS,
     caches_in,
@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
         del r["_blobs"], r["_bank"]
     for r in rows:
         r["decode_vs_default"] = r["decode_mvps"] / base["decode_mvps"]
-    res = {"command": command_line("map_sources", argv),
+    res = {"command": command_line("studies.speed.map_sources", argv),
            "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "eps": a.eps, "scope": "tensor",
            "calib": [display_path(p) for p in calib], "eval": [n for n, _ in ev],
            "repeats": a.repeats, "threads": 1, "rows": rows}

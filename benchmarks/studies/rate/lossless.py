@@ -1,6 +1,6 @@
 """Lossless storage of real KV caches: kvz's two-tier files against zstd and pcodec.
 
-    python -m kvz.benchmarks.lossless [CACHES...] [--eps 0.004,0.01,0.0267] [--json OUT]
+    python -m benchmarks.studies.rate.lossless [CACHES...] [--eps 0.004,0.01,0.0267] [--json OUT]
 
 For each cache (default: the 2,048-token held-out caches in ``data/eval``, else the bundled
 samples) and each coarse-tier eps: ``kvz compress --lossless`` (bundled bank), its total bits per
@@ -14,15 +14,14 @@ from __future__ import annotations
 import os
 import time
 
-from .harness import RESULTS, command_line, default_caches, parser, write_json
+from kvz.benchmarks.harness import RESULTS, command_line, default_caches, parser, write_json
 
 
 def run(paths, eps_list, bank="gemma-3-270m") -> list[dict]:
     import numpy as np
 
     from alignpred import KvzReader, compress, load_cache
-
-    from .baselines import BASELINES
+    from kvz.benchmarks.baselines import BASELINES
 
     rows = []
     for p in paths:
@@ -73,7 +72,7 @@ def main(argv=None):
             summary[m]["coarse_bpv_mean"] = sum(r["coarse_bpv"] for r in sel) / len(sel)
     for m, s in summary.items():
         print(f"{m:<28} mean {s['bpv_mean']:.3f} bpv" + (f" (coarse {s['coarse_bpv_mean']:.3f})" if "coarse_bpv_mean" in s else ""))
-    write_json({"command": command_line("lossless", argv or None), "rows": rows, "summary": summary}, a.json,
+    write_json({"command": command_line("studies.rate.lossless", argv or None), "rows": rows, "summary": summary}, a.json,
                indent=2)
     print(f"wrote {a.json}")
 

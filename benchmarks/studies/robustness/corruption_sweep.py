@@ -16,9 +16,9 @@ library's reader whether the file is damaged:
 
 A position counts as detected if the reader raises a ``KvzError``. Usage::
 
-    python -m kvz.benchmarks.corruption_sweep                       # english-prose, every byte, one mask
-    python -m kvz.benchmarks.corruption_sweep --embed --stride 7 --masks 0x01,0x80,0xff
-    python -m kvz.benchmarks.corruption_sweep --json out/corruption.json
+    python -m benchmarks.studies.robustness.corruption_sweep                       # english-prose, every byte, one mask
+    python -m benchmarks.studies.robustness.corruption_sweep --embed --stride 7 --masks 0x01,0x80,0xff
+    python -m benchmarks.studies.robustness.corruption_sweep --json out/corruption.json
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from .harness import WARM_SAMPLE, caches_in, parser, write_json
+from kvz.benchmarks.harness import WARM_SAMPLE, caches_in, parser, write_json
 
 
 def regions(raw: bytes) -> dict:

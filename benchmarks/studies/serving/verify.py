@@ -24,8 +24,8 @@ on the seed's hardware scenarios with the measured acceptance, staggered versus 
 
 Run::
 
-    python -m kvz.benchmarks.verify --quick --json benchmarks/results/verify-quick.json
-    python -m kvz.benchmarks.verify --json benchmarks/results/verify.json --md benchmarks/results/verify.md
+    python -m benchmarks.studies.serving.verify --quick --json benchmarks/results/verify-quick.json
+    python -m benchmarks.studies.serving.verify --json benchmarks/results/verify.json --md benchmarks/results/verify.md
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .harness import parser, pyplot, save_figure, write_json, write_text
+from kvz.benchmarks.harness import parser, pyplot, save_figure, write_json, write_text
 
 BANK = "gemma-3-270m"
 
@@ -522,7 +522,7 @@ def _ints(s: str) -> tuple:
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__, prog="python -m kvz.benchmarks.verify", quick="3 prompts x 128 tokens, 24 new tokens, a few settings",
+    ap = parser(__doc__, prog="python -m benchmarks.studies.serving.verify", quick="3 prompts x 128 tokens, 24 new tokens, a few settings",
                 json="write rows (and per-prompt details) here", quiet=True)
     ap.add_argument("--prompts", type=int)
     ap.add_argument("--tokens", type=int, help="prompt length in tokens (BOS included)")

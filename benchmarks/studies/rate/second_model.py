@@ -18,7 +18,7 @@ Run::
 
     kvz calibrate --model data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --texts samples/gemma3-270m/calib_texts \\
         -n 1024 -o data/smollm2/smollm2.h5
-    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 KVZ_THREADS=1 python -m kvz.benchmarks.second_model \\
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 KVZ_THREADS=1 python -m benchmarks.studies.rate.second_model \\
         --model data/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --bank data/smollm2/smollm2.h5 \\
         --contexts 256,1024 --json benchmarks/results/rate_quality-smollm2.json
 
@@ -34,12 +34,12 @@ import sys
 import time
 from pathlib import Path
 
-from . import rate_quality as rq
-from .harness import ROOT, parser, pyplot, save_figure, write_json, write_text
-from .harness.cli import command_line
-from .quality import KV, Setting, capture_kv
-from .rate_methods import FP8, REFERENCE_METHOD, add_kvz_variant, build_settings, kvz_variant_setting
-from .rate_report import aggregate, format_report
+from kvz.benchmarks import rate_quality as rq
+from kvz.benchmarks.harness import ROOT, parser, pyplot, save_figure, write_json, write_text
+from kvz.benchmarks.harness.cli import command_line
+from kvz.benchmarks.quality import KV, Setting, capture_kv
+from kvz.benchmarks.rate_methods import FP8, REFERENCE_METHOD, add_kvz_variant, build_settings, kvz_variant_setting
+from kvz.benchmarks.rate_report import aggregate, format_report
 
 DEFAULT_EPS = (0.0134, 0.0188, 0.0267, 0.0376, 0.0534)
 DEFAULT_DOCS = rq.FULL_DOCS
@@ -370,7 +370,7 @@ def write_outputs(res: dict, json_out, plot_out=None, md_out=None) -> None:
 # ============================================================================ entry point
 
 def parse_args(argv=None):
-    ap = parser(__doc__, prog="python -m kvz.benchmarks.second_model", quiet=True)
+    ap = parser(__doc__, prog="python -m benchmarks.studies.rate.second_model", quiet=True)
     ap.add_argument("--model", required=True, help="a .gguf file or a Hugging Face model directory")
     ap.add_argument("--bank", required=True, help="the model's bank file (with its .sensitivity.json beside it)")
     ap.add_argument("--contexts", default="256,1024", help="comma-separated cached context lengths (BOS included)")
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
     json_out = Path(a.json)
     partial = json_out.with_name(json_out.stem + ".partial.json")
     plot_out = a.plot or str(json_out.with_suffix(".png"))
-    cmd = command_line("second_model", argv)
+    cmd = command_line("studies.rate.second_model", argv)
     if a.finalize:
         src = json.loads(partial.read_text())
         res = assemble(src["model"], dict(src["config"], interrupted=True), src["contexts"])

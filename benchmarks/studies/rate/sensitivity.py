@@ -36,8 +36,8 @@ Writes ``alignpred/bank/data/gemma-3-270m.sensitivity.json`` (``--out``)::
 
 Run::
 
-    python -m kvz.benchmarks.sensitivity --quick --out /tmp/sens.json
-    python -m kvz.benchmarks.sensitivity --out alignpred/bank/data/gemma-3-270m.sensitivity.json \\
+    python -m benchmarks.studies.rate.sensitivity --quick --out /tmp/sens.json
+    python -m benchmarks.studies.rate.sensitivity --out alignpred/bank/data/gemma-3-270m.sensitivity.json \\
         --report benchmarks/results/sensitivity.md
 """
 from __future__ import annotations
@@ -53,10 +53,9 @@ import numpy as np
 from alignpred import nrmse
 from kvz.benchmarks import quality as Q
 from kvz.benchmarks import rate_quality as R
-
-from .harness import parser, write_json, write_text
-from .lm import model as load_model
-from .rate_report import fmt
+from kvz.benchmarks.harness import parser, write_json, write_text
+from kvz.benchmarks.lm import model as load_model
+from kvz.benchmarks.rate_report import fmt
 
 PRESETS = {
     "quick": dict(per_doc=1, docs=("english-technical",), context=256, score_tokens=16, eps=0.0267,
@@ -426,7 +425,7 @@ def _load_raw(path, out) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = parser(__doc__, prog="python -m kvz.benchmarks.sensitivity", quick="1 window, 16 scored tokens, codec error only",
+    ap = parser(__doc__, prog="python -m benchmarks.studies.rate.sensitivity", quick="1 window, 16 scored tokens, codec error only",
                 quiet=True)
     ap.add_argument("--out", required=True, help="output JSON (the bank's sensitivity file)")
     ap.add_argument("--report", help="Markdown report")
@@ -437,7 +436,7 @@ def main(argv=None) -> int:
     ap.add_argument("--score-tokens", type=int)
     ap.add_argument("--from-raw", help="no new measurements: summarize a report's .raw.json again")
     a = ap.parse_args(argv)
-    cmd = "python -m kvz.benchmarks.sensitivity " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m benchmarks.studies.rate.sensitivity " + " ".join(sys.argv[1:] if argv is None else argv)
     res = run("quick" if a.quick else "full", out=a.out, report=a.report, bank=a.bank, command=cmd,
               progress=not a.quiet, eps=a.eps, per_doc=a.per_doc, context=a.context, score_tokens=a.score_tokens,
               raw=_load_raw(a.from_raw, a.out) if a.from_raw else None)

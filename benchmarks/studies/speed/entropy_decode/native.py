@@ -9,7 +9,7 @@ normative model data by the rule of §7.3 (the SHA-256 the spec gives is checked
 the library.
 
 The symbols are the real residual symbols the codec writes (the objects of the sample caches, as
-``kvz.benchmarks.entropy_lanes`` extracts them through the public API). Every object is encoded
+``benchmarks.studies.speed.entropy_decode.lanes`` extracts them through the public API). Every object is encoded
 by the library (``lanes32``; also at 10- and 11-bit tables, measurement only) and every C decoder
 must give exactly the library's symbols for every object. Then, in one process, one thread, the C
 decoders and the library's numba decoders (vectorised and portable) are timed interleaved, each
@@ -17,31 +17,26 @@ timed call right after an untimed call of the same decoder (its tables warm, see
 :func:`time_warm`); the time per object is the minimum over rounds (the machine is shared) with
 the median recorded too, and the load average before and after.
 
-    python -m kvz.benchmarks.entropy_native          # -> benchmarks/results/entropy_native.{json,md}
+    python -m benchmarks.studies.speed.entropy_decode --study native          # -> benchmarks/results/entropy_native.{json,md}
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
 from kvz.benchmarks.harness import (
-    RESULTS,
     code_revision,
-    command_line,
     loadavg,
     machine_info,
-    parser,
-    write_json,
-    write_text,
 )
+from kvz.benchmarks.harness.native import CFLAGS, NATIVE, NativeUnavailable
+from kvz.benchmarks.harness.native import build as build_native
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "lanes32_avx2.c")
-CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+SOURCE = os.path.join(NATIVE, "lanes32_avx2.c")
 BUILDS = {"native": (), "avx2-only": ("-mno-avx512f",)}
 ABLATIONS = {"no table gather": ("-DLANES32_ABLATE_TABLE",), "no word gather": ("-DLANES32_ABLATE_WORDS",),
              "no gathers": ("-DLANES32_ABLATE_TABLE", "-DLANES32_ABLATE_WORDS")}
@@ -57,25 +52,9 @@ PAIR_NOTE = "(64 lanes; words pre-padded)"
 ENTRY = {"scalar": "lanes32_decode_scalar", "avx2": "lanes32_decode_avx2", "avx512": "lanes32_decode_avx512"}
 
 
-class NativeUnavailable(RuntimeError):
-    """No C compiler (or no C source) to build the native decoder with."""
-
-
 def build(folder: str, extra=(), source: str = SOURCE) -> str:
-    """Compile the C decoder (or another of ``benchmarks/native``'s probes) into ``folder``; the
-    shared library's path."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise NativeUnavailable("gcc not found on PATH: the native probes cannot be built "
-                                "(install gcc, e.g. `apt-get install gcc`)")
-    if not os.path.exists(source):
-        raise NativeUnavailable(f"C source {os.path.basename(source)} missing (not an editable install?)")
-    stem = os.path.splitext(os.path.basename(source))[0]
-    so = os.path.join(folder, f"{stem}{''.join(extra).replace('-', '_')}.so")
-    r = subprocess.run([gcc, *CFLAGS, *extra, "-o", so, source], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise NativeUnavailable(f"gcc failed:\n{r.stderr[-2000:]}")
-    return so
+    """Compile the C decoder (``extra``: more gcc flags) into ``folder``; the shared library's path."""
+    return build_native(folder, extra, source=source)
 
 
 def spec_tables(prec: int = 12):
@@ -318,13 +297,9 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    ap = parser(__doc__, caches="caches (default: the samples)", quick="one cache's objects, fewer rounds",
-                json="JSON output", json_default=os.path.join(RESULTS, "entropy_native.json"))
-    ap.add_argument("--rounds", type=int, default=200, help="timed calls per object and decoder (default 200)")
-    ap.add_argument("--objects", type=int, default=24,
-                    help="time this many objects, evenly spaced (correctness uses all; 0: all; default 24)")
-    args = ap.parse_args(argv)
+def run(args) -> dict:
+    """The C-decoder study (``args``: caches, quick, rounds (default 200), objects (default 24)); exits
+    when no gcc builds the decoder."""
     for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ.setdefault(k, "1")
     with tempfile.TemporaryDirectory() as tmp:
@@ -332,27 +307,30 @@ def main(argv=None) -> None:
             natives = {b: Native(build(tmp, extra)) for b, extra in BUILDS.items()}
             ablated = {b: Native(build(tmp, extra)) for b, extra in ABLATIONS.items()}
         except NativeUnavailable as e:
-            sys.exit(f"entropy_native: {e}")
+            sys.exit(f"entropy_decode --study native: {e}")
         gcc = subprocess.run(["gcc", "-dumpfullversion"], capture_output=True, text=True).stdout.strip()
-        run(args, argv, natives, gcc, ablated)
+        return _run(args, natives, gcc, ablated)
 
 
-def run(args, argv, natives, gcc, ablated) -> None:
+def _run(args, natives, gcc, ablated) -> dict:
     import numpy as np
 
     from alignpred import entropy
-    from kvz.benchmarks.entropy_lanes import PUBLISHED, real_objects
     from kvz.benchmarks.harness import sample_caches
+    from kvz.benchmarks.speed.entropy_stage import real_objects
+
+    from .lanes import PUBLISHED
 
     load0 = loadavg()
     caches = args.caches or sample_caches()
     objs = real_objects(caches[:1] if args.quick else caches)
-    rounds = 20 if args.quick else args.rounds
+    rounds = 20 if args.quick else (args.rounds or 200)
+    n_timed = 24 if args.objects is None else args.objects
     bufs, same = compare(objs, natives)
     print("same symbols:", same)
     idx = list(range(len(objs)))
-    if 0 < args.objects < len(objs):
-        idx = [round(k * (len(objs) - 1) / max(1, args.objects - 1)) for k in range(args.objects)]
+    if 0 < n_timed < len(objs):
+        idx = [round(k * (len(objs) - 1) / max(1, n_timed - 1)) for k in range(n_timed)]
     timed = [objs[k] for k in idx]
     slot = {id(objs[k][0]): k for k in idx}
     nat = natives["native"]
@@ -403,19 +381,13 @@ def run(args, argv, natives, gcc, ablated) -> None:
     gather = {k: min((g[k] for g in gathers if k in g), key=lambda v: v["ns_per_gather"]) for k in gathers[0]}
     flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f in ("avx2", "avx512f", "avx512vl")}) \
         if os.path.exists("/proc/cpuinfo") else []
-    res = {"command": command_line("entropy_native", argv), "revision": code_revision(), "machine": machine_info(),
+    res = {"command": args.command, "revision": code_revision(), "machine": machine_info(),
            "isa_flags": " ".join(flags), "gcc": gcc, "cflags": list(CFLAGS), "builds": {k: list(v) for k, v in BUILDS.items()},
            "numba_isa": entropy.lanes_isa(), "loadavg_before": load0, "loadavg_after": loadavg(),
            "objects": len(objs), "timed_objects": len(timed), "rounds": rounds,
            "symbols": int(sum(q.size for q, _ in objs)), "timed_symbols": int(sum(q.size for q, _ in timed)),
            "decoders": names, "timing": timing, "gather_probe": gather, "same_symbols_by_decoder": same,
            "same_symbols": bool(all(same.values())), "published_ns_per_symbol": PUBLISHED}
-    write_json(res, args.json)
-    write_text(os.path.splitext(args.json)[0] + ".md", markdown(res))   # markdown(read_json(...)) redraws it
-    print(markdown(res))
     if not res["same_symbols"]:
-        sys.exit("entropy_native: a C decoder disagrees with the library")
-
-
-if __name__ == "__main__":
-    main()
+        print("entropy_decode --study native: a C decoder disagrees with the library", file=sys.stderr)
+    return res

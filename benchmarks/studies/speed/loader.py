@@ -1,6 +1,6 @@
 """What a serving loader pays: decoding 256-token chunks into preallocated buffers.
 
-    python -m kvz.benchmarks.loader [CACHES...] [--bank gemma-3-270m] [--eps 0.0267] [--chunk 256]
+    python -m benchmarks.studies.speed.loader [CACHES...] [--bank gemma-3-270m] [--eps 0.0267] [--chunk 256]
                                     [--repeats 5] [--out benchmarks/results/loader.json]
 
 For each cache (default: the bundled samples; ``data/eval`` 2,048-token caches when present) it
@@ -28,7 +28,16 @@ from __future__ import annotations
 
 import os
 
-from .harness import RESULTS, command_line, default_caches, median_time, parser, pin_threads, resolve_bank, write_json
+from kvz.benchmarks.harness import (
+    RESULTS,
+    command_line,
+    default_caches,
+    median_time,
+    parser,
+    pin_threads,
+    resolve_bank,
+    write_json,
+)
 
 
 def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int = 1) -> dict:
@@ -143,7 +152,7 @@ def main(argv=None):
               f"{row['chunk_files_vs_whole']:9.2f} {row['overhead_per_chunk_ms']:8.2f} {m['slope_over_raw']:13.2f} "
               f"{'-' if m['slope_beyond_tile_over_raw'] is None else format(m['slope_beyond_tile_over_raw'], '9.2f'):>9}",
               flush=True)
-    res = {"command": command_line("loader", argv),
+    res = {"command": command_line("studies.speed.loader", argv),
            "eps": a.eps, "chunk": a.chunk, "threads": a.threads, "bank_id": bank.id, "rows": rows}
     write_json(res, a.out, indent=2)
     print(f"wrote {a.out}")

@@ -1,7 +1,7 @@
 """Benchmark of the decoder kernels: exact integer map products (alignpred.kernels.intmap), the fused
 post-prediction pass (alignpred.kernels.fused) and the rANS decoder (alignpred.entropy.rans).
 
-Usage: python -m kvz.benchmarks.kernels_bench [--out out/kernels_bench.json] [--quick]
+Usage: python -m benchmarks.studies.speed.kernels_bench [--out out/kernels_bench.json] [--quick]
 
 * precision: on the Gemma 3 270M samples, every map block and 256-row object: RMS of
   ``IntMap.predict - x @ W`` (float64 product) relative to the quantisation noise
@@ -218,7 +218,7 @@ TARGETS = {
 
 def _child(mode: str, env_extra: dict, reps: int) -> dict:
     env = dict(os.environ, **env_extra)
-    cmd = [sys.executable, "-m", "kvz.benchmarks.kernels_bench", "--child", mode, "--reps", str(reps)]
+    cmd = [sys.executable, "-m", "benchmarks.studies.speed.kernels_bench", "--child", mode, "--reps", str(reps)]
     if CLOCK is time.perf_counter:
         cmd.append("--wall")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(ROOT))

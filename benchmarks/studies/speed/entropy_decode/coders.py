@@ -1,6 +1,6 @@
 """Benchmark of the entropy-coding stage (alignpred.entropy): size vs entropy, and speed.
 
-Usage: python -m kvz.benchmarks.bench_entropy [--out out/bench_entropy.json] [--quick]
+Usage: python -m benchmarks.studies.speed.entropy_decode --study coders [--json out/bench_entropy.json] [--quick]
 
 For Laplace, Gaussian and Student-t(3) data of scale s (in quantisation steps), one object of
 C=256 x N=256 symbols q = rint(s * X) is coded with the best model id per channel.  Reported per
@@ -20,8 +20,6 @@ import time
 import numpy as np
 
 from alignpred.entropy import MODEL_SET_ID, N_MODELS, PREC, choose_models, decode, encode, estimate_bits
-
-from .harness import parser, write_json
 
 SCALES = (0.05, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0)
 DISTS = ("laplace", "gauss", "t3")
@@ -80,12 +78,11 @@ def typical_object(rng, C=256, N=256):
     return q
 
 
-def main(argv=None):
-    ap = parser(__doc__, out="results JSON", out_default="out/bench_entropy.json", quick="fewer repetitions")
-    args = ap.parse_args(argv)
+def run(args) -> dict:
+    """Sizes against entropy and the two coders' speed (``args.quick``: fewer repetitions)."""
     reps = 3 if args.quick else 10
     rng = np.random.default_rng(12345)
-    res = {"model_set": MODEL_SET_ID, "prec": PREC, "n_models": N_MODELS,
+    res = {"command": args.command, "model_set": MODEL_SET_ID, "prec": PREC, "n_models": N_MODELS,
            "machine": platform.processor() or platform.machine(), "python": sys.version.split()[0],
            "compression": [], "speed": {}}
 
@@ -137,10 +134,19 @@ def main(argv=None):
     speed("typical_16x(256x256)", np.vstack([typical_object(rng) for _ in range(16)]))
     speed("laplace_s0.05", sample(rng, "laplace", 0.05, (256, 256)))
     speed("laplace_s3000", sample(rng, "laplace", 3000.0, (256, 256)))
-
-    write_json(res, args.out)
-    print(f"wrote {args.out}")
+    return res
 
 
-if __name__ == "__main__":
-    main()
+def markdown(res: dict) -> str:
+    lines = ["# Entropy coders: size against entropy, and speed", "",
+             f"`{res['command']}` — {res['machine']}, model set {res['model_set']} ({res['n_models']} models, "
+             f"{res['prec']}-bit).", "",
+             "| dist | scale | h_true | estimate | rans4 | constriction | gap (rans4 - h_true) |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['dist']} | {r['scale']:g} | {r['h_true']:.4f} | {r['est']:.4f} | {r['rans4']:.4f} | "
+              f"{r['constriction']:.4f} | {r['gap']:.4f} ({r['gap_pct']:.2f}%) |" for r in res["compression"]]
+    lines += ["", "Speed, one core, best of the repetitions (M symbols/s):", "",
+              "| object | " + " | ".join(next(iter(res["speed"].values()))) + " |",
+              "|---|" + "---|" * len(next(iter(res["speed"].values())))]
+    lines += [f"| {k} | " + " | ".join(f"{x:.1f}" for x in v.values()) + " |" for k, v in res["speed"].items()]
+    return "\n".join(lines) + "\n"

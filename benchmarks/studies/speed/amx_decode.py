@@ -1,6 +1,6 @@
 """One-core decode with the AMX map kernel on and off, next to SZ3, in one process.
 
-Usage: python -m kvz.benchmarks.amx_decode [--caches N] [--rounds R] [--out benchmarks/results/amx_decode.json]
+Usage: python -m benchmarks.studies.speed.amx_decode [--caches N] [--rounds R] [--out benchmarks/results/amx_decode.json]
 
 On each held-out cache (``data/eval``; ``samples/make_samples.py --what eval``), kvz's ``default`` and
 ``balanced`` profiles are encoded once (eps 0.0267, tensor scope, as the speed benchmark) and decoded
@@ -91,7 +91,7 @@ def run(caches: list[str], rounds: int) -> dict:
 def markdown(res: dict) -> str:
     lines = [f"# One-core decode, AMX map kernel on/off (revision {res['revision']})", "",
              f"AMX available: {res['amx_enabled']}; {len(res['caches'])} held-out caches, best of {res['rounds']} "
-             "rounds; `python -m kvz.benchmarks.amx_decode`.", "",
+             "rounds; `python -m benchmarks.studies.speed.amx_decode`.", "",
              "| codec | M values/s | x SZ3 | mean bpv |", "|---|---:|---:|---:|"]
     for s in res["summary"]:
         lines.append(f"| {s['codec']} | {s['mvps']:.1f} | {s['x_sz3']:.3f} | {s['mean_bpv']:.3f} |")

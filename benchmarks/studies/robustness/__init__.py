@@ -1,0 +1,1 @@
+"""Robustness: :mod:`.corruption_sweep` (is every damaged byte of a file detected?)."""
