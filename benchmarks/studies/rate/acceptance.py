@@ -37,6 +37,15 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="decode this many times, report the median")
     a = ap.parse_args(argv)
+    res = run(a)
+    write_json(res, a.out, indent=2)
+    print(f"wrote {a.out}")
+    print(markdown(res))
+    return res
+
+
+def run(a) -> dict:
+    """bpv and measured error of every cache at ``a.eps`` in each of ``a.scopes``, decode timed."""
     pin_threads(a.threads)
 
     import platform
@@ -54,7 +63,9 @@ def main(argv=None):
     else:
         caches, dataset = eval_caches(), "data/eval"
         if not caches:
-            ap.error(NO_EVAL + " (needs the [model] extra), or pass --samples to run on the bundled samples")
+            print(f"acceptance: {NO_EVAL} (needs the [model] extra), or pass --samples to run on the bundled samples",
+                  file=sys.stderr)
+            raise SystemExit(2)
     print(f"data set: {dataset} ({len(caches)} caches)", flush=True)
     bank = resolve_bank(a.bank)
     rows = []
@@ -102,10 +113,19 @@ def main(argv=None):
         print(f"{scope}: mean {summary[scope]['bpv_mean']:.3f} bpv, max {summary[scope]['bpv_max']:.3f} bpv")
     res = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
                        "python": sys.version.split()[0]},
-           "dataset": dataset, "bank_id": bank.id, "rows": rows, "summary": summary}
-    write_json(res, a.out, indent=2)
-    print(f"wrote {a.out}")
+           "dataset": dataset, "eps": a.eps, "bank_id": bank.id, "rows": rows, "summary": summary}
     return res
+
+
+def markdown(res: dict) -> str:
+    """The per-scope summary of a result as a Markdown table."""
+    lines = [f"# Rate at a given error ({res['dataset']}, {len({r['cache'] for r in res['rows']})} caches, "
+             f"eps {res.get('eps', res['rows'][0]['eps'] if res['rows'] else '?')})", "",
+             "| scope | bpv mean | bpv max | worst tensor NRMSE | worst pooled NRMSE | slowest decode (M values/s) |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {k} | {s['bpv_mean']:.3f} | {s['bpv_max']:.3f} | {s['nrmse_max_tensor']:.5f} | "
+              f"{s['nrmse_pooled_max']:.5f} | {s['decode_mvps_min']:.1f} |" for k, s in res["summary"].items()]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

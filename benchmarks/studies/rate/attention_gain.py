@@ -344,19 +344,31 @@ def main(argv=None) -> int:
     ap.add_argument("--md", help="Markdown report (default beside the JSON)")
     ap.add_argument("--no-measure", action="store_true", help="only --fit")
     a = ap.parse_args(argv)
+    a.command = command_line("studies.rate.attention_gain", argv)
+    res = run(a)
+    if not res:
+        return 0
+    out = Path(a.json) if a.json else Path(RESULTS) / "attention_gain.json"
+    write_json(res, out)
+    write_text(Path(a.md) if a.md else out.with_suffix(".md"), markdown(res))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def run(a) -> dict:
+    """``--fit`` (the bank's sidecar) and then the measurement; ``{}`` for ``--fit --no-measure``."""
     if a.fit:
         fit(Path(a.fit), a.fit_tokens, a.bank)
         if a.no_measure:
-            return 0
+            return {}
     res = measure(a.docs, a.tokens, a.eps, a.bank, Path(a.sidecar) if a.sidecar else
                   (Path(a.fit) if a.fit else None))
-    out = Path(a.json) if a.json else Path(RESULTS) / "attention_gain.json"
-    cmd = command_line("studies.rate.attention_gain", argv)
-    res["command"] = cmd
-    write_json(res, out)
-    write_text(Path(a.md) if a.md else out.with_suffix(".md"), _md(res, cmd))
-    print(f"wrote {out}", file=sys.stderr)
-    return 0
+    res["command"] = a.command
+    return res
+
+
+def markdown(result: dict) -> str:
+    return _md(result, result["command"])
 
 
 if __name__ == "__main__":

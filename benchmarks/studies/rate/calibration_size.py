@@ -95,7 +95,7 @@ def _compress(cache, bank, folder: str, name: str, **kw) -> dict:
             else None, "kl_predicted": info.kl_predicted, "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def run(*, model_path=None, sizes=SIZES, held_tokens: int = 1024, eps: float = EPS, progress: bool = True,
+def measure(*, model_path=None, sizes=SIZES, held_tokens: int = 1024, eps: float = EPS, progress: bool = True,
         command: str = "", sensitivity_at: int = 1, partial=None) -> dict:
     """The measurements; ``sensitivity_at``: index in ``sizes`` of the bank that also gets its sensitivity
     record and the ``target_kl`` check; ``partial(result)`` is called after every row (results so far)."""
@@ -238,18 +238,28 @@ def main(argv=None) -> int:
     ap.add_argument("--sensitivity-at", type=int, default=1,
                     help="index of the size whose bank gets the sensitivity record and the target-kl check")
     a = ap.parse_args(argv)
+    a.command = command_line("studies.rate.calibration_size", argv)
+    res = run(a)
+    write_json(res, a.json)
+    write_text(a.report, report(res))
+    print(report(res))
+    return 0
+
+
+def run(a) -> dict:
+    """The sizes of ``a`` (``--quick``: two small ones); the JSON and report are rewritten after every row."""
     sizes, held = ("1x448,2x448", 448) if a.quick else (a.sizes, a.held_tokens)
 
     def partial(res):
         write_json(res, a.json)
         write_text(a.report, report(res))
 
-    res = run(model_path=a.model, sizes=sizes, held_tokens=held, eps=a.eps, progress=not a.quiet,
-              command=command_line("studies.rate.calibration_size", argv), sensitivity_at=a.sensitivity_at, partial=partial)
-    write_json(res, a.json)
-    write_text(a.report, report(res))
-    print(report(res))
-    return 0
+    return measure(model_path=a.model, sizes=sizes, held_tokens=held, eps=a.eps, progress=not a.quiet,
+                   command=a.command, sensitivity_at=a.sensitivity_at, partial=partial)
+
+
+def markdown(result: dict) -> str:
+    return report(result)
 
 
 def rerender(json_path: str, md_path: str) -> None:

@@ -61,19 +61,32 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--out", default=str(RESULTS), help="output directory (eps_table.json, eps_table.md)")
     a = ap.parse_args(argv)
+    a.command = command_line("studies.rate.eps_table", argv)
+    res = run(a)
+    print(format_rows(res))
+    return 0
+
+
+def markdown(res: dict) -> str:
+    return ("# Choosing eps (Gemma 3 270M, bundled bank)\n\n" + format_rows(res)
+            + f"\n\nCommand: `{res['config']['command']}`.\n")
+
+
+def run(a) -> dict:
+    """The quality run of every setting; writes ``eps_table.{json,md}`` under ``a.out`` (and a partial
+    pair after each prompt, removed at the end)."""
     from kvz.benchmarks.quality import run_quality
 
     eps = [float(x) for x in a.eps.split(",") if x.strip()]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = {"bank": "gemma-3-270m (bundled)", "scope": "tensor", "sources": "eval",
-             "command": command_line("studies.rate.eps_table", argv), "machine": machine_info()}
+             "command": a.command, "machine": machine_info()}
 
     def save(res, stem):
         res["config"].update(extra)
         write_json(res, out / f"{stem}.json")
-        write_text(out / f"{stem}.md", "# Choosing eps (Gemma 3 270M, bundled bank)\n\n" + format_rows(res)
-                   + f"\n\nCommand: `{extra['command']}`.\n")
+        write_text(out / f"{stem}.md", markdown(res))
 
     res = run_quality(settings(resolve_bank(), eps), n_prompts=a.prompts, prompt_tokens=a.tokens,
                       new_tokens=a.new_tokens, progress=not a.quiet, sources="eval",
@@ -81,8 +94,7 @@ def main(argv=None) -> int:
     save(res, "eps_table")
     for f in ("eps_table.partial.json", "eps_table.partial.md"):
         (out / f).unlink(missing_ok=True)
-    print(format_rows(res))
-    return 0
+    return res
 
 
 if __name__ == "__main__":

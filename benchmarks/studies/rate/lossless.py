@@ -17,7 +17,7 @@ import time
 from kvz.benchmarks.harness import RESULTS, command_line, default_caches, parser, write_json
 
 
-def run(paths, eps_list, bank="gemma-3-270m") -> list[dict]:
+def measure(paths, eps_list, bank="gemma-3-270m") -> list[dict]:
     import numpy as np
 
     from alignpred import KvzReader, compress, load_cache
@@ -62,8 +62,18 @@ def main(argv=None):
     ap.add_argument("--eps", default="0.004,0.01,0.0267", help="coarse-tier eps values (comma-separated)")
     ap.add_argument("--bank", default="gemma-3-270m")
     a = ap.parse_args(argv)
+    a.command = command_line("studies.rate.lossless", argv or None)
+    res = run(a)
+    write_json(res, a.json, indent=2)
+    print(f"wrote {a.json}")
+    print(markdown(res))
+    return res
+
+
+def run(a) -> dict:
+    """kvz --lossless at each coarse eps of ``a.eps`` and the lossless baselines on ``a.caches``."""
     paths = default_caches(a.caches)
-    rows = run(paths, [float(x) for x in a.eps.split(",")], a.bank)
+    rows = measure(paths, [float(x) for x in a.eps.split(",")], a.bank)
     summary = {}
     for m in sorted({r["method"] + (f"@{r['eps_coarse']}" if "eps_coarse" in r else "") for r in rows}):
         sel = [r for r in rows if r["method"] + (f"@{r['eps_coarse']}" if "eps_coarse" in r else "") == m]
@@ -72,9 +82,15 @@ def main(argv=None):
             summary[m]["coarse_bpv_mean"] = sum(r["coarse_bpv"] for r in sel) / len(sel)
     for m, s in summary.items():
         print(f"{m:<28} mean {s['bpv_mean']:.3f} bpv" + (f" (coarse {s['coarse_bpv_mean']:.3f})" if "coarse_bpv_mean" in s else ""))
-    write_json({"command": command_line("studies.rate.lossless", argv or None), "rows": rows, "summary": summary}, a.json,
-               indent=2)
-    print(f"wrote {a.json}")
+    return {"command": a.command, "rows": rows, "summary": summary}
+
+
+def markdown(res: dict) -> str:
+    lines = ["# Lossless storage: kvz's two-tier files against zstd and pcodec", "", f"`{res['command']}`", "",
+             "| method | bpv (mean) | coarse tier bpv | caches |", "|---|---|---|---|"]
+    lines += [f"| {m} | {s['bpv_mean']:.3f} | {s['coarse_bpv_mean']:.3f} | {s['caches']} |" if "coarse_bpv_mean" in s
+              else f"| {m} | {s['bpv_mean']:.3f} | | {s['caches']} |" for m, s in res["summary"].items()]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

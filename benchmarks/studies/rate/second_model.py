@@ -408,17 +408,34 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    a.command = command_line("studies.rate.second_model", argv)
     json_out = Path(a.json)
     partial = json_out.with_name(json_out.stem + ".partial.json")
-    plot_out = a.plot or str(json_out.with_suffix(".png"))
-    cmd = command_line("studies.rate.second_model", argv)
+    res = run(a)
+    write_outputs(res, json_out, a.plot or str(json_out.with_suffix(".png")), a.md)
+    if a.finalize:
+        print("\n".join(verdict_table(res["verdict"][max(res["verdict"], key=int)])))
+        return 0
+    if partial.is_file():
+        partial.unlink()
+    for ctx, rows in res["verdict"].items():
+        print(f"context {ctx}:")
+        print("\n".join(verdict_table(rows)))
+    print(f"{json_out}: {res['timing']['wall_s'] / 60:.1f} min")
+    return 0
+
+
+def run(a) -> dict:
+    """The measurement ``a`` (as :func:`parse_args` makes it) asks for, resumed or finalised from the
+    ``.partial.json`` beside ``a.json`` when told; checkpoints there after every row."""
+    json_out = Path(a.json)
+    partial = json_out.with_name(json_out.stem + ".partial.json")
+    cmd = a.command
     if a.finalize:
         src = json.loads(partial.read_text())
         res = assemble(src["model"], dict(src["config"], interrupted=True), src["contexts"])
         res["attention_stats"] = src.get("attention_stats", {})
-        write_outputs(res, json_out, plot_out, a.md)
-        print("\n".join(verdict_table(res["verdict"][max(res["verdict"], key=int)])))
-        return 0
+        return res
 
     from alignpred.bank import resolve_bank
     from kvz.integrations.hf.capture import load_model
@@ -482,14 +499,7 @@ def main(argv=None) -> int:
     res["timing"] = {"wall_s": time.perf_counter() - t_start, "model_load_s": t_load,
                      "previous_wall_s": prev.get("timing", {}).get("wall_s", 0.0)
                      + prev.get("timing", {}).get("previous_wall_s", 0.0)}
-    write_outputs(res, json_out, plot_out, a.md)
-    if partial.is_file():
-        partial.unlink()
-    for ctx, rows in res["verdict"].items():
-        print(f"context {ctx}:")
-        print("\n".join(verdict_table(rows)))
-    print(f"{json_out}: {res['timing']['wall_s'] / 60:.1f} min")
-    return 0
+    return res
 
 
 if __name__ == "__main__":

@@ -375,7 +375,7 @@ def format_report(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(preset: str = "full", *, out=None, report=None, bank="gemma-3-270m", command="", progress=True,
+def run_preset(preset: str = "full", *, out=None, report=None, bank="gemma-3-270m", command="", progress=True,
         model=None, tokenizer=None, **over) -> dict:
     from alignpred.bank import resolve_bank
 
@@ -436,15 +436,24 @@ def main(argv=None) -> int:
     ap.add_argument("--score-tokens", type=int)
     ap.add_argument("--from-raw", help="no new measurements: summarize a report's .raw.json again")
     a = ap.parse_args(argv)
-    cmd = "python -m benchmarks.studies.rate.sensitivity " + " ".join(sys.argv[1:] if argv is None else argv)
-    res = run("quick" if a.quick else "full", out=a.out, report=a.report, bank=a.bank, command=cmd,
-              progress=not a.quiet, eps=a.eps, per_doc=a.per_doc, context=a.context, score_tokens=a.score_tokens,
-              raw=_load_raw(a.from_raw, a.out) if a.from_raw else None)
+    a.command = "python -m benchmarks.studies.rate.sensitivity " + " ".join(sys.argv[1:] if argv is None else argv)
+    res = run(a)
     top = sorted(res["tensor_weights"].items(), key=lambda kv: -kv[1])[:6]
     print(f"kl_per_nrmse2 = {res['kl_per_nrmse2']:.3g}; top tensors: " + ", ".join(f"{k} {v:.3g}" for k, v in top))
     for lab, e in res["summary"]["checks"].items():
         print(f"  {lab}: measured {e['measured']:.3e} predicted {e['predicted']:.3e}")
     return 0
+
+
+def run(a) -> dict:
+    """The preset (``a.quick``) with ``a``'s overrides; writes ``a.out`` (and ``a.report``)."""
+    return run_preset("quick" if a.quick else "full", out=a.out, report=a.report, bank=a.bank, command=a.command,
+                      progress=not a.quiet, eps=a.eps, per_doc=a.per_doc, context=a.context,
+                      score_tokens=a.score_tokens, raw=_load_raw(a.from_raw, a.out) if a.from_raw else None)
+
+
+def markdown(result: dict) -> str:
+    return format_report(result)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,16 @@ def main(argv=None) -> int:
     ap.add_argument("--masks", default="random", help="'random' (one per byte) or comma-separated XOR values")
     ap.add_argument("--decode-samples", type=int, default=10)
     args = ap.parse_args(argv)
+    res = run(args)
+    t = res["total"]
+    print(markdown(res))
+    if args.json:
+        write_json(res, args.json)
+    return 0 if t["detected"] == t["tried"] and res["decode_path"]["detected"] == res["decode_path"]["tried"] else 1
+
+
+def run(args) -> dict:
+    """One sample compressed, then every ``args.stride``-th byte corrupted and the file checked."""
     from alignpred import compress, fit_bank, load_cache
 
     cache = load_cache(args.sample)
@@ -141,12 +151,15 @@ def main(argv=None) -> int:
     res["seconds"] = time.time() - t0
     res["settings"] = {"sample": os.path.basename(args.sample), "embed": args.embed, "eps": args.eps,
                        "stride": args.stride, "masks": args.masks}
-    t = res["total"]
-    print(f"detected {t['detected']} / {t['tried']} single-byte corruptions ({100 * t['rate']:.4f} %); "
-          f"decode path {res['decode_path']['detected']} / {res['decode_path']['tried']}; {res['seconds']:.0f} s")
-    if args.json:
-        write_json(res, args.json)
-    return 0 if t["detected"] == t["tried"] and res["decode_path"]["detected"] == res["decode_path"]["tried"] else 1
+    return res
+
+
+def markdown(res: dict) -> str:
+    t, s = res["total"], res["settings"]
+    return (f"# Corruption sweep: {s['sample']}, eps {s['eps']}, bank {'embedded' if s['embed'] else 'external'}\n\n"
+            f"detected {t['detected']} / {t['tried']} single-byte corruptions ({100 * t['rate']:.4f} %; stride "
+            f"{s['stride']}, masks {s['masks']}, {res['file_bytes']} bytes); decode path "
+            f"{res['decode_path']['detected']} / {res['decode_path']['tried']}; {res['seconds']:.0f} s\n")
 
 
 if __name__ == "__main__":

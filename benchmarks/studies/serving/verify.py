@@ -98,7 +98,7 @@ def _name(s) -> str:
     return f"{base} x={s['x']}{extra}{t}"
 
 
-def run(*, n_prompts=20, prompt_tokens=256, new_tokens=64, xs=(8, 16, 32), eps_list=(0.03, 0.10, 0.20),
+def measure(*, n_prompts=20, prompt_tokens=256, new_tokens=64, xs=(8, 16, 32), eps_list=(0.03, 0.10, 0.20),
         drops=(("window", 0.3), ("snapkv", 0.3)), drop_xs=(16,), stepwise=((0.10, 16),),
         temperatures=((0.7, 0.10, 16),), budget_bytes=256 << 20, workers=2, progress=True,
         checkpoint=None) -> dict:
@@ -513,6 +513,27 @@ def write_outputs(a, result: dict, rows: list, sim: list) -> None:
         print(md)
 
 
+def run(a) -> dict:
+    """The drafters of ``a.settings`` (what :func:`main` makes of the flags) on the model, summarised:
+    ``{"config", "rows", "simulation", "per_prompt"}`` (checkpoints to ``a.json + ".partial"``)."""
+    import torch
+
+    os.environ.setdefault("KVZ_THREADS", str(a.threads))
+    torch.set_num_threads(a.threads)
+    ckpt = (a.json + ".partial") if a.json else None
+    t0 = time.perf_counter()
+    result = measure(budget_bytes=int(a.budget_mb * (1 << 20)), workers=a.workers, progress=not a.quiet,
+                     checkpoint=ckpt, **a.settings)
+    result["config"]["seconds"] = time.perf_counter() - t0
+    result["config"]["quick"] = bool(a.quick)
+    rows, sim = summarize_all(result, a.Bs, a.iters)
+    return {"config": result["config"], "rows": rows, "simulation": sim, "per_prompt": result["per_prompt"]}
+
+
+def markdown(result: dict) -> str:
+    return format_markdown(result, result["rows"], result["simulation"])
+
+
 def _floats(s: str) -> tuple:
     return tuple(float(v) for v in s.split(",") if v.strip())
 
@@ -590,16 +611,11 @@ def main(argv=None) -> int:
         d["stepwise"] = ()
     if a.no_temperature:
         d["temperatures"] = ()
-    os.environ.setdefault("KVZ_THREADS", str(a.threads))
-    torch.set_num_threads(a.threads)
+    a.settings, a.Bs, a.iters = d, Bs, iters
+    res = run(a)
+    rows = res["rows"]
+    write_outputs(a, res, rows, res["simulation"])
     ckpt = (a.json + ".partial") if a.json else None
-    t0 = time.perf_counter()
-    result = run(budget_bytes=int(a.budget_mb * (1 << 20)), workers=a.workers, progress=not a.quiet,
-                 checkpoint=ckpt, **d)
-    result["config"]["seconds"] = time.perf_counter() - t0
-    result["config"]["quick"] = bool(a.quick)
-    rows, sim = summarize_all(result, Bs, iters)
-    write_outputs(a, result, rows, sim)
     if ckpt and os.path.exists(ckpt):
         os.remove(ckpt)
     bad = [r["name"] for r in rows if r["identical_frac"] is not None and r["identical_frac"] < 1.0]

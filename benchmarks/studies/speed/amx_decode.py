@@ -30,7 +30,7 @@ from kvz.benchmarks.harness import (
 from kvz.benchmarks.speed.codecs import make_codecs
 
 
-def run(caches: list[str], rounds: int) -> dict:
+def measure(caches: list[str], rounds: int) -> dict:
     from threadpoolctl import threadpool_limits
 
     from alignpred import load_cache
@@ -106,14 +106,19 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.caches < 0 or a.rounds < 1:
         ap.error("--caches must be >= 0 and --rounds >= 1")
-    caches = eval_caches()
-    if not caches:
-        raise SystemExit("no held-out caches: run python samples/make_samples.py --what eval")
-    res = run(caches[:a.caches] if a.caches else caches, a.rounds)
+    res = run(a)
     write_json(res, a.out)
     write_text(os.path.splitext(a.out)[0] + ".md", markdown(res))
     print(markdown(res))
     return res
+
+
+def run(args) -> dict:
+    """The first ``args.caches`` held-out caches (0: all), ``args.rounds`` rounds."""
+    caches = eval_caches()
+    if not caches:
+        raise SystemExit("no held-out caches: run python samples/make_samples.py --what eval")
+    return measure(caches[:args.caches] if args.caches else caches, args.rounds)
 
 
 if __name__ == "__main__":

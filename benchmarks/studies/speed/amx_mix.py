@@ -43,7 +43,7 @@ def _amx_peak() -> float | None:
     return dot_peak().get("probes", {}).get(AMX)
 
 
-def run(S: int, n: int, rounds: int) -> dict:
+def measure(S: int, n: int, rounds: int) -> dict:
     if not amx_enabled():
         raise SystemExit("AMX is not available here (alignpred.kernels.amx_enabled() is False)")
     before = _amx_peak()
@@ -55,7 +55,13 @@ def run(S: int, n: int, rounds: int) -> dict:
             "peak_gmacs": max(peaks) if peaks else None, "peak_before_after": [before, after]}
 
 
+def run(args) -> dict:
+    """The probe at ``args.sources`` x ``args.rows``, ``args.rounds`` rounds, with the peak before and after."""
+    return measure(args.sources, args.rows, args.rounds)
+
+
 def markdown(res: dict, peak: float | None = None) -> str:
+    peak = res.get("peak_gmacs") if peak is None else peak
     lines = [f"# AMX map kernel: where the time goes (revision {res['revision']})", "",
              f"{res['sources']} sources x {res['rows']} rows x 256 -> 256 columns, one thread, best of "
              f"{res['rounds']}; `python -m benchmarks.studies.speed.amx_mix`. GMAC/s counts int16 multiply-adds.", "",
@@ -84,7 +90,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.sources < 1 or a.rows < 16 or a.rounds < 1:
         ap.error("--sources >= 1, --rows >= 16 and --rounds >= 1")
-    res = run(a.sources, a.rows, a.rounds)
+    res = run(a)
     write_json(res, a.out)
     md = markdown(res, res["peak_gmacs"])
     write_text(os.path.splitext(a.out)[0] + ".md", md)

@@ -132,6 +132,16 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.threads < 1 or a.repeats < 1 or a.chunk < 1:
         ap.error("--threads, --repeats and --chunk must be >= 1")
+    a.error, a.command = ap.error, command_line("studies.speed.loader", argv)
+    res = run(a)
+    write_json(res, a.out, indent=2)
+    print(f"wrote {a.out}")
+    print(markdown(res))
+    return res
+
+
+def run(a) -> dict:
+    """Every cache of ``a.caches`` measured (:func:`measure`), one row each."""
     pin_threads(a.threads)
     from alignpred import KvzError
 
@@ -144,7 +154,7 @@ def main(argv=None):
         try:
             row = measure(p, bank, a.eps, a.chunk, a.repeats, a.threads)
         except KvzError as e:
-            ap.error(str(e))
+            a.error(str(e))
         rows.append(row)
         m = row["memory"]
         print(f"{row['cache']:<28} {row['tokens']:>6} {row['whole_mvps']:7.1f} {row['whole_into_mvps']:7.1f} "
@@ -152,11 +162,20 @@ def main(argv=None):
               f"{row['chunk_files_vs_whole']:9.2f} {row['overhead_per_chunk_ms']:8.2f} {m['slope_over_raw']:13.2f} "
               f"{'-' if m['slope_beyond_tile_over_raw'] is None else format(m['slope_beyond_tile_over_raw'], '9.2f'):>9}",
               flush=True)
-    res = {"command": command_line("studies.speed.loader", argv),
-           "eps": a.eps, "chunk": a.chunk, "threads": a.threads, "bank_id": bank.id, "rows": rows}
-    write_json(res, a.out, indent=2)
-    print(f"wrote {a.out}")
-    return res
+    return {"command": a.command, "eps": a.eps, "chunk": a.chunk, "threads": a.threads, "bank_id": bank.id,
+            "rows": rows}
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Loading chunks: `{res['command']}`", "",
+             f"eps {res['eps']}, {res['chunk']}-token chunks, {res['threads']} thread(s); M values/s.", "",
+             "| cache | tokens | read() | read_into | ranges | chunk files | ranges/whole | files/whole | ms per chunk "
+             "| memory slope / raw |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['cache']} | {r['tokens']} | {r['whole_mvps']:.1f} | {r['whole_into_mvps']:.1f} | "
+              f"{r['ranges_mvps']:.1f} | {r['chunk_files_mvps']:.1f} | {r['ranges_vs_whole']:.2f} | "
+              f"{r['chunk_files_vs_whole']:.2f} | {r['overhead_per_chunk_ms']:.2f} | "
+              f"{r['memory']['slope_over_raw']:.2f} |" for r in res["rows"]]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -298,12 +298,24 @@ def main(argv=None) -> dict:
                          "and their dense twins are timed")
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args(argv)
+    a.error, a.command = ap.error, command_line("studies.speed.map_rank", argv)
+    res = run(a)
+    text = markdown(res)
+    print(text)
+    write_json(res, a.out, indent=1)
+    write_text(os.path.splitext(a.out)[0] + ".md", text)
+    print(f"wrote {a.out}")
+    return res
+
+
+def run(a) -> dict:
+    """Every rank variant's bits and multiply-adds; the factored variants and their dense twins timed."""
     limit_threads(1)
     from alignpred import compress_bytes, fit_bank
 
     from .map_sources import calib_and_eval
 
-    calib, cal, ev = calib_and_eval(ap, a)
+    calib, cal, ev = calib_and_eval(a)
     lay = ev[0][1].layout
     per_token = lay.n_values // lay.n_tokens
     t0 = time.perf_counter()
@@ -312,7 +324,7 @@ def main(argv=None) -> dict:
     print(f"default bank fitted and {len(stats)} maps analysed in {time.perf_counter() - t0:.1f} s", flush=True)
     full_macs = sum(st.dense() for st in stats.values()) / per_token
 
-    def run(bk):
+    def bits(bk):
         blobs = [(n, compress_bytes(c, eps=a.eps, bank=bk, scope="tensor"), c.layout.n_values) for n, c in ev]
         return {n: 8 * len(b) / nv for n, b, nv in blobs}, [b for _, b, _ in blobs]
 
@@ -322,13 +334,13 @@ def main(argv=None) -> dict:
     bad = [n for n in a.factored if named.get(n, {}).get("method") != "rrr"]
     if bad:
         ok = [n for n, v in named.items() if v["method"] == "rrr"]
-        ap.error(f"--factored takes rrr variants of this run ({', '.join(ok)}), not {bad}")
+        a.error(f"--factored takes rrr variants of this run ({', '.join(ok)}), not {bad}")
     plan += [dict(named[n], variant=f"{n}_factored", factored=True) for n in a.factored]
     for v in plan:
         choice = {b: (stats[b], r) for b, r in v["ranks"].items()}
         bk = bank if v["method"] == "full" else with_maps(bank, choice, v["method"], v.get("factored", False))
         t1 = time.perf_counter()
-        bpv, blobs = run(bk)
+        bpv, blobs = bits(bk)
         if v["variant"] == "full" or v.get("factored") or v["variant"] in a.factored:
             blobs_of[v["variant"]] = (blobs, bk)
         macs = sum(stats[b].macs(r) for b, r in v["ranks"].items()) / per_token
@@ -353,16 +365,10 @@ def main(argv=None) -> dict:
             timing.append({"variant": n, "macs_per_value": by[n]["macs_per_value"], "bpv_mean": by[n]["bpv_mean"],
                            "bpv_vs_full": by[n]["bpv_vs_full"], "read_s": s, "mvps": n_values / s / 1e6,
                            "vs_full": secs["full"] / s})
-    res = {"command": command_line("studies.speed.map_rank", argv), "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "eps": a.eps, "scope": "tensor", "bank_id": bank.id, "calib": [display_path(p) for p in calib],
-           "eval": [n for n, _ in ev], "full_macs_per_value": full_macs, "repeats": a.repeats, "threads": 1,
-           "rows": rows, "timing": timing}
-    text = markdown(res)
-    print(text)
-    write_json(res, a.out, indent=1)
-    write_text(os.path.splitext(a.out)[0] + ".md", text)
-    print(f"wrote {a.out}")
-    return res
+    return {"command": a.command, "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "eps": a.eps, "scope": "tensor", "bank_id": bank.id, "calib": [display_path(p) for p in calib],
+            "eval": [n for n, _ in ev], "full_macs_per_value": full_macs, "repeats": a.repeats, "threads": 1,
+            "rows": rows, "timing": timing}
 
 
 if __name__ == "__main__":

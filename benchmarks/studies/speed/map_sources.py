@@ -38,20 +38,20 @@ from kvz.benchmarks.harness import (
 )
 
 
-def calib_and_eval(ap, a) -> tuple[list, list, list]:
+def calib_and_eval(a) -> tuple[list, list, list]:
     """``(calibration paths, their caches, [(name, cache)] to evaluate)`` of ``--calib`` /
-    ``--eval`` (default: ``data/calib``, ``data/eval``), or ``ap.error`` naming how to make them."""
+    ``--eval`` (default: ``data/calib``, ``data/eval``), or ``a.error`` (the parser's) naming how to make them."""
     from alignpred import KvzError, load_cache
 
     calib = a.calib or caches_in(CALIB_DIR)
     evals = a.eval or eval_caches()
     if not calib or not evals:
-        ap.error("needs calibration and evaluation caches: python samples/make_samples.py --what calib "
+        a.error("needs calibration and evaluation caches: python samples/make_samples.py --what calib "
                  "(and --what eval), or pass --calib/--eval")
     try:
         return calib, [load_cache(p) for p in calib], [(stem(p), load_cache(p)) for p in evals]
     except KvzError as e:
-        ap.error(str(e))
+        a.error(str(e))
         raise
 
 
@@ -90,9 +90,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--eps", type=float, default=0.0267)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args(argv)
+    a.error, a.command = ap.error, command_line("studies.speed.map_sources", argv)
+    res = run(a)
+    text = markdown(res)
+    print(text)
+    write_json(res, a.out, indent=2)
+    write_text(os.path.splitext(a.out)[0] + ".md", text)
+    print(f"wrote {a.out}")
+    return res
+
+
+def run(a) -> dict:
+    """Every source set's bank, bits and interleaved one-thread decode speed."""
     from alignpred import KvzReader, compress_bytes, fit_bank
 
-    calib, cal, ev = calib_and_eval(ap, a)
+    calib, cal, ev = calib_and_eval(a)
     lay = ev[0][1].layout
     rows = []
     for name, src in variants(cal[0].layout).items():
@@ -122,14 +134,17 @@ def main(argv=None) -> dict:
         del r["_blobs"], r["_bank"]
     for r in rows:
         r["decode_vs_default"] = r["decode_mvps"] / base["decode_mvps"]
-    res = {"command": command_line("studies.speed.map_sources", argv),
-           "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "eps": a.eps, "scope": "tensor",
-           "calib": [display_path(p) for p in calib], "eval": [n for n, _ in ev],
-           "repeats": a.repeats, "threads": 1, "rows": rows}
+    return {"command": a.command, "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "eps": a.eps, "scope": "tensor",
+            "calib": [display_path(p) for p in calib], "eval": [n for n, _ in ev],
+            "repeats": a.repeats, "threads": 1, "rows": rows}
+
+
+def markdown(res: dict) -> str:
+    rows = res["rows"]
     lines = ["# Map sources: bits vs decode multiply-adds", "",
-             f"`{res['command'].strip()}` — {res['created']}; banks fitted on {len(cal)} calibration caches, "
-             f"{len(ev)} evaluation caches at eps {a.eps} (tensor scope); one-thread read(), median of "
-             f"{a.repeats} interleaved rounds.", "",
+             f"`{res['command'].strip()}` — {res['created']}; banks fitted on {len(res['calib'])} calibration caches, "
+             f"{len(res['eval'])} evaluation caches at eps {res['eps']} (tensor scope); one-thread read(), median of "
+             f"{res['repeats']} interleaved rounds.", "",
              "| variant | MAC/value | bpv (mean) | Δbpv vs default | decode M values/s | vs default |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -137,11 +152,7 @@ def main(argv=None) -> dict:
                      f"{r['bpv_vs_default']:+.4f} | {r['decode_mvps']:.1f} | {r['decode_vs_default']:.2f}x |")
     lines += ["", "bpv per cache: " + "; ".join(
         f"{r['variant']}: " + ", ".join(f"{n} {v:.4f}" for n, v in r["bpv"].items()) for r in rows), ""]
-    print("\n".join(lines[4:4 + len(rows) + 2]))
-    write_json(res, a.out, indent=2)
-    write_text(os.path.splitext(a.out)[0] + ".md", "\n".join(lines))
-    print(f"wrote {a.out}")
-    return res
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

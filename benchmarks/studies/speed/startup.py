@@ -161,20 +161,27 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.tokens < 2 or args.repeats < 1:
         ap.error("--tokens must be >= 2 and --repeats >= 1")
+    args.command = command_line("studies.speed.startup", argv)
+    res = run(args)
+    if args.json:
+        write_json(res, args.json)
+    if args.md:
+        write_text(args.md, markdown(res))
+    print(markdown(res))
+
+
+def run(args) -> dict:
+    """A first start and ``args.repeats`` second starts (``--quick``: one, the fast profile only)."""
     opts = {"profiles": ["fast"] if args.quick else ["default", "fast"], "lossless": not args.quick,
             "bank": BANK_NAME, "shape": [18, 1, args.tokens, 256], "dtype": "bfloat16", "eps": 0.02}
     import numba
 
     load_before = loadavg()
     res = measure(opts, 1 if args.quick else args.repeats, log=lambda s: print(s, file=sys.stderr, flush=True))
-    res.update({"command": command_line("studies.speed.startup", argv), "options": opts, "machine": machine_info(()),
+    res.update({"command": args.command, "options": opts, "machine": machine_info(()),
                 "numba": numba.__version__, "revision": code_revision(), "load_before": load_before,
                 "load_after": loadavg()})
-    if args.json:
-        write_json(res, args.json)
-    if args.md:
-        write_text(args.md, markdown(res))
-    print(markdown(res))
+    return res
 
 
 if __name__ == "__main__":
