@@ -194,10 +194,12 @@ class RedisBackend(RedisMaintenance, ChunkBackend):
         self._last_t = max(time.time(), self._last_t + 1e-6)
         return self._last_t
 
-    def _call(self, what: str, fn, default, shard=None):
+    def _call(self, what: str, fn, default, shard=None, every_shard: bool = False):
         """Run ``fn()``; on a Redis failure count it, warn once per outage and return (default, False).
         ``shard``: the one shard ``fn`` touches (None: several); an unreachable node makes calls on
-        its shard (or on all, for a one-node store) answer without the network for a while."""
+        its shard (or on all, for a one-node store) answer without the network for a while.
+        ``every_shard``: ``fn`` reaches every shard or fails (no node skipped), so its success ends
+        every shard's outage (the next failure anywhere warns again)."""
         self._check_open()
         # the key of this call's health: its shard (a cluster), "multi" (a cluster call on many
         # shards), or "all" (one node: every call)
@@ -233,7 +235,7 @@ class RedisBackend(RedisMaintenance, ChunkBackend):
         self._down_at.pop("all", None)
         if node is not None:
             self._down_at.pop(node, None)
-        if k == "all":
+        if k == "all" or every_shard:
             self._failing_keys.clear()
         else:  # a shard (or a call on many: it may have skipped a dead node's shards) works again
             self._failing_keys.discard(k)
@@ -402,7 +404,7 @@ class RedisBackend(RedisMaintenance, ChunkBackend):
             for s in range(self.shards):
                 pipe.zrange(self._keys_of(s)[1], 0, -1)
             return [m for rows in pipe.execute() for m in rows]
-        members, ok = self._call("keys", run, [])
+        members, ok = self._call("keys", run, [], every_shard=True)
         return [m.decode("utf-8") for m in members] if ok else []
 
     def _entry_pattern(self) -> str:
@@ -447,7 +449,7 @@ class RedisBackend(RedisMaintenance, ChunkBackend):
                 pipe.get(ks[4])
             res = pipe.execute()
             return sum(int(x) for x in res[0::2]), sum(int(x or 0) for x in res[1::2])
-        res, ok = self._call("stats", run, None)
+        res, ok = self._call("stats", run, None, every_shard=True)
         if not ok:
             return {"entries": None, "bytes": None, "available": False, "url": self.url}
         return {"entries": res[0], "bytes": res[1], "available": True, "url": self.url}

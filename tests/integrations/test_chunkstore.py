@@ -2,8 +2,9 @@
 content reuse at another position (RoPE re-rotation + repair), corrupt entries, concurrent writers, Redis outages.
 
 CI tests use a tiny random-weight Gemma 3 (tests/test_hf_bridge.py) or synthetic KV; the ``model``
-tests run the real Gemma 3 270M. Redis tests start a real redis-server on loopback
-(``redis_server_fixture``: skipped when it is missing, failed under KVZ_REQUIRE_REDIS=1).
+tests run the real Gemma 3 270M. Every store test runs on a directory, one real redis-server and a
+real 3-master Redis Cluster (the shared fixtures of tests/integrations/conftest.py: skipped without
+redis-server, failed under KVZ_REQUIRE_REDIS=1).
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import uuid
 import warnings
 
 import numpy as np
@@ -28,23 +28,15 @@ from kvz.integrations.chunkstore import (
     chunk_tokens_digest,
     split_chunks,
 )
-from kvz.integrations.kvstore import DirectoryBackend, RedisBackend, StoreWarning
-from kvz.integrations.kvstore.server import redis_server_fixture
+from kvz.integrations.kvstore import DirectoryBackend, StoreWarning, open_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KINDS = ["directory", "redis"]
+KINDS = ["directory", "redis", "redis-cluster"]
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    yield from redis_server_fixture()
-
-
-def make_backend(kind, tmp_path, request, **kw):
-    if kind == "directory":
-        return DirectoryBackend(str(tmp_path / ("store-" + uuid.uuid4().hex[:6])), **kw)
-    url = request.getfixturevalue("redis_server").url
-    return RedisBackend(url, namespace="t" + uuid.uuid4().hex[:12], **kw)
+def make_backend(kind, store_url, **kw):
+    """A fresh, empty store of ``kind`` (``store_url``: the shared fixture of conftest.py)."""
+    return open_url(store_url(kind), **kw)
 
 
 def synth_store(backend, **kw):
@@ -166,10 +158,9 @@ WORKER = textwrap.dedent("""
     import json, sys, numpy as np
     sys.path.insert(0, {tests!r})
     from test_chunkstore import synth_store, _synth_kv
-    from kvz.integrations.kvstore import DirectoryBackend, RedisBackend
+    from kvz.integrations.kvstore import open_url
     spec, role, seed = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    be = DirectoryBackend(spec["path"], budget_bytes=spec["budget"]) if spec["kind"] == "directory" else \\
-        RedisBackend(spec["url"], namespace=spec["ns"], budget_bytes=spec["budget"])
+    be = open_url(spec["url"], budget_bytes=spec["budget"])
     st = synth_store(be, codec="raw", chunk_tokens=8, raw_dtype="float32")
     rng = np.random.default_rng(seed)
     checked = 0
@@ -202,13 +193,12 @@ WORKER = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_concurrent_writers_and_readers(kind, tmp_path, request):
+def test_concurrent_writers_and_readers(kind, tmp_path, store_url):
     """4 writer processes put the same and different chunks while 2 readers decode and verify every
     hit bit for bit, under a budget that forces eviction: no torn or half-visible entry is ever read."""
-    be = make_backend(kind, tmp_path, request)
-    spec = {"kind": kind, "path": getattr(be, "path", None), "budget": 60_000, "iters": 25, "prompts": 6,
-            "url": request.getfixturevalue("redis_server").url if kind == "redis" else None,
-            "ns": getattr(be, "namespace", None)}
+    url = store_url(kind)
+    be = open_url(url)
+    spec = {"url": url, "budget": 60_000, "iters": 25, "prompts": 6}
     roles = "wwwwrr"
     spec.update(sync=str(tmp_path / "sync"), done=str(tmp_path / "writers-done"), procs=len(roles))
     os.makedirs(spec["sync"])
@@ -255,8 +245,8 @@ def _ids(n, seed):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefix_reuse_exact_from_lossless_store(tiny, kind, tmp_path, request):
-    eng = ReuseEngine(tiny, _tiny_store(tiny, make_backend(kind, tmp_path, request)), reuse="content")
+def test_prefix_reuse_exact_from_lossless_store(tiny, kind, store_url):
+    eng = ReuseEngine(tiny, _tiny_store(tiny, make_backend(kind, store_url)), reuse="content")
     ids = _ids(70, 3)
     full = eng.prefill(ids, reuse="none")
     t0, r0 = eng.generate(ids, 10, return_logits=True)
@@ -352,10 +342,11 @@ def test_corrupt_entries_are_dropped_and_recomputed(tiny, tmp_path):
     assert t3 == t0
 
 
-def test_redis_restart_mid_run(tiny, request):
-    srv = request.getfixturevalue("redis_server")
-    be = RedisBackend(srv.url, namespace="t" + uuid.uuid4().hex[:12], socket_timeout=0.5, connect_timeout=0.5,
-                      reconnect_interval=0.0)
+def test_redis_restart_mid_run(tiny, redis_store):
+    """The store (one node, or every node of the cluster) goes away between two requests and comes back
+    empty: the engine recomputes, with the same tokens, and stores again."""
+    srv = redis_store
+    be = open_url(srv.url, socket_timeout=0.5, connect_timeout=0.5, reconnect_interval=0.0)
     eng = ReuseEngine(tiny, _tiny_store(tiny, be))
     ids = _ids(50, 14)
     t0, _ = eng.generate(ids, 5)
@@ -392,7 +383,7 @@ def test_gemma_prefix_and_content_reuse(gemma, tmp_path):
     body = tok(text, add_special_tokens=False)["input_ids"]
     assert len(body) > 1800
     sys_ids, doc, q = [2] + body[:40], body[1000:1256], body[1700:1730]
-    store = ChunkStore.for_model(model, DirectoryBackend(str(tmp_path / "s")), model_id="gemma-3-270m")
+    store = ChunkStore.for_model(model, DirectoryBackend(str(tmp_path / "s")), model_id="gemma-3-270m", eps=0.02)
     eng = ReuseEngine(model, store, R=32)
     p1 = sys_ids + doc + q
     eng.generate(p1, 1, boundaries=[41, 297])

@@ -28,21 +28,12 @@ from kvz.integrations.kvstore import (
     StoreUnavailableWarning,
     StoreWarning,
     entry_size,
+    open_url,
 )
 from kvz.integrations.kvstore import directory as directory_module
-from kvz.integrations.kvstore.server import RedisServer, redis_cluster_fixture, redis_server_fixture, require_redis
+from kvz.integrations.kvstore.server import RedisServer, require_redis
 
-KINDS = ("directory", "redis", "redis-cluster")
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    yield from redis_server_fixture()
-
-
-@pytest.fixture(scope="module")
-def redis_cluster():
-    yield from redis_cluster_fixture()
+KINDS = ("directory", "redis", "redis-cluster")  # the servers: tests/integrations/conftest.py (shared)
 
 
 class Harness:
@@ -446,52 +437,51 @@ def _unavailable(caught):
     return [w for w in caught if issubclass(w.category, StoreUnavailableWarning)]
 
 
-def test_redis_restart(tmp_path):
-    require_redis()
-    with RedisServer() as srv:
-        s = RedisBackend(srv.url, budget_bytes=1 << 20, namespace="restart", reconnect_interval=0.05)
-        assert s.put("a", b"before") and s.get("a") == b"before"
-        srv.stop()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            t0 = time.monotonic()
-            for i in range(20):
-                assert s.get("a") is None
-                assert s.put(f"k{i}", b"during") is False
-                assert s.contains("a") is False and s.delete("a") is False and s.keys() == []
-                s.clear()
-                st = s.stats()
-                assert st["available"] is False and st["entries"] is None
-                time.sleep(0.01)
-            assert time.monotonic() - t0 < 10  # calls fail fast
-        assert len(_unavailable(caught)) == 1, [str(w.message) for w in caught]  # once per outage
-        assert s.stats()["errors"] >= 20
-        srv.start()  # same port, empty (no persistence)
-        assert srv.url == s.url
-        time.sleep(0.1)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert s.get("a") is None  # lost with the restart: a plain miss
-            assert s.put("b", b"after") is True and s.get("b") == b"after"
-            assert s.stats()["available"] is True and s.stats()["entries"] == 1
-        assert caught == []
-        srv.stop()  # a second outage warns again
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            time.sleep(0.06)
-            assert s.get("b") is None and s.put("c", b"x") is False
-        assert len(_unavailable(caught)) == 1
-        srv.start()
+def test_redis_restart(redis_store):
+    """The store goes away (every node of the cluster) and comes back empty on the same ports."""
+    s = open_url(redis_store.url, budget_bytes=1 << 20, reconnect_interval=0.05)
+    assert s.put("a", b"before") and s.get("a") == b"before"
+    redis_store.stop()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.monotonic()
+        for i in range(20):
+            assert s.get("a") is None
+            assert s.put(f"k{i}", b"during") is False
+            assert s.contains("a") is False and s.delete("a") is False and s.keys() == []
+            s.clear()
+            st = s.stats()
+            assert st["available"] is False and st["entries"] is None
+            time.sleep(0.01)
+        assert time.monotonic() - t0 < 10  # calls fail fast
+    assert len(_unavailable(caught)) == 1, [str(w.message) for w in caught]  # once per outage
+    assert s.stats()["errors"] >= 20
+    redis_store.start()  # same ports, empty (no persistence)
+    time.sleep(0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert s.get("a") is None  # lost with the restart: a plain miss
+        assert s.put("b", b"after") is True and s.get("b") == b"after"
+        assert s.stats()["available"] is True and s.stats()["entries"] == 1
+    assert caught == []
+    redis_store.stop()  # a second outage warns again
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         time.sleep(0.06)
-        assert s.put("c", b"x") is True
-        s.close()
+        assert s.get("b") is None and s.put("c", b"x") is False
+    assert len(_unavailable(caught)) == 1
+    redis_store.start()
+    time.sleep(0.06)
+    assert s.put("c", b"x") is True
+    s.close()
 
 
-def test_redis_unreachable_from_the_start():
+@pytest.mark.parametrize("scheme", ["redis://127.0.0.1:{port}/0", "redis+cluster://127.0.0.1:{port}/"])
+def test_redis_unreachable_from_the_start(scheme):
     require_redis()
     from kvz.integrations.kvstore.server import _free_port
     port = _free_port("127.0.0.1")  # nothing listens there
-    s = RedisBackend(f"redis://127.0.0.1:{port}/0", reconnect_interval=0)
+    s = open_url(scheme.format(port=port), reconnect_interval=0)
     with pytest.warns(StoreUnavailableWarning) as caught:
         assert s.put("a", b"x") is False
         assert s.get("a") is None and s.get_entry("a") is None
@@ -565,14 +555,13 @@ def test_open_blob_entry_deleted_while_reading(h):
     b.close()
 
 
-def test_open_blob_store_down_raises_store_read_error(tmp_path):
+def test_open_blob_store_down_raises_store_read_error(redis_store):
     from kvz.integrations.kvstore import StoreReadError
 
-    with RedisServer() as srv:
-        s = RedisBackend(srv.url, namespace="down", reconnect_interval=0.0)
-        s.put("r4", os.urandom(10_000))
-        b = s.open_blob("r4")
-        srv.stop()
-        with pytest.warns(StoreUnavailableWarning), pytest.raises(StoreReadError):
-            b.read_range(0, 100)
-        s.close()
+    s = open_url(redis_store.url, reconnect_interval=0.0)
+    s.put("r4", os.urandom(10_000))
+    b = s.open_blob("r4")
+    redis_store.stop()
+    with pytest.warns(StoreUnavailableWarning), pytest.raises(StoreReadError):
+        b.read_range(0, 100)
+    s.close()

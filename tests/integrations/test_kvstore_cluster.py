@@ -32,17 +32,9 @@ from kvz.integrations.kvstore import (
     StoreWarning,
     open_url,
 )
-from kvz.integrations.kvstore.server import _free_port, redis_cluster_fixture, redis_server_fixture, require_redis
+from kvz.integrations.kvstore.server import _free_port, require_redis
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    yield from redis_cluster_fixture()
-
-
-@pytest.fixture(scope="module")
-def redis_node():
-    yield from redis_server_fixture()
+# ``redis_cluster`` (one 3-master cluster per session) and ``redis_server``: tests/integrations/conftest.py
 
 
 # the least a store's user needs (docs/store-cluster.md): its namespace's keys and these commands
@@ -117,12 +109,12 @@ def test_open_url_kinds_and_parameters(tmp_path, monkeypatch):
 
 
 # ---- layout -----------------------------------------------------------------------------------------
-def test_entries_spread_over_masters_one_slot_each(cluster):
-    s = RedisClusterBackend(cluster.url, namespace=ns())
+def test_entries_spread_over_masters_one_slot_each(redis_cluster):
+    s = RedisClusterBackend(redis_cluster.url, namespace=ns())
     keys = [f"k{i}" for i in range(160)]
     for k in keys:
         assert s.put(k, blob_for(k))
-    per_master = Counter(cluster.master_of_key(s.entry_key(k)) for k in keys)
+    per_master = Counter(redis_cluster.master_of_key(s.entry_key(k)) for k in keys)
     assert len(per_master) == 3 and min(per_master.values()) > 160 / 3 * 0.6, per_master
     from redis.crc import key_slot
     for k in keys[:20]:  # an entry and its shard's bookkeeping: one slot
@@ -136,9 +128,9 @@ def test_entries_spread_over_masters_one_slot_each(cluster):
     s.close()
 
 
-def test_budget_holds_across_shards(cluster):
+def test_budget_holds_across_shards(redis_cluster):
     one = len(blob_for("k0")) + 100
-    s = RedisClusterBackend(cluster.url, namespace=ns(), budget_bytes=20 * one)
+    s = RedisClusterBackend(redis_cluster.url, namespace=ns(), budget_bytes=20 * one)
     for i in range(100):
         assert s.put(f"k{i}", blob_for(f"k{i}"))
         assert s.stats()["bytes"] <= s.budget_bytes
@@ -149,8 +141,8 @@ def test_budget_holds_across_shards(cluster):
     s.close()
 
 
-def test_ttl_expires_whole_entries(cluster):
-    s = RedisClusterBackend(cluster.url, namespace=ns(), ttl_s=0.3)
+def test_ttl_expires_whole_entries(redis_cluster):
+    s = RedisClusterBackend(redis_cluster.url, namespace=ns(), ttl_s=0.3)
     for i in range(10):
         s.put(f"k{i}", blob_for(f"k{i}"))
     assert s.get("k0") is not None
@@ -163,8 +155,8 @@ def test_ttl_expires_whole_entries(cluster):
     s.close()
 
 
-def test_foreign_record_version_is_a_miss_with_a_warning(cluster, tmp_path):
-    for s in (RedisClusterBackend(cluster.url, namespace=ns()), DirectoryBackend(str(tmp_path / "d"))):
+def test_foreign_record_version_is_a_miss_with_a_warning(redis_cluster, tmp_path):
+    for s in (RedisClusterBackend(redis_cluster.url, namespace=ns()), DirectoryBackend(str(tmp_path / "d"))):
         s.put("k", b"payload")
         if isinstance(s, DirectoryBackend):
             p = s.entry_path("k")
@@ -326,17 +318,17 @@ def test_node_that_stops_answering_is_a_bounded_miss():
         cl.close()
 
 
-def test_slot_migration_while_reading(cluster):
+def test_slot_migration_while_reading(redis_cluster):
     """A shard's slot moves to another master (batches of keys, ASK redirects meanwhile) while a
     thread reads it: every read is the entry or a miss, never wrong; afterwards all are there."""
-    s = RedisClusterBackend(cluster.url, namespace=ns(), shards=2)
+    s = RedisClusterBackend(redis_cluster.url, namespace=ns(), shards=2)
     keys = [f"k{i}" for i in range(60)]
     for k in keys:
         s.put(k, blob_for(k, size=2000))
     from redis.crc import key_slot
     slot = key_slot(s._tags[0].encode())
-    src = cluster.master_of_slot(slot)
-    dst = next(i for i in cluster.masters() if i != src)
+    src = redis_cluster.master_of_slot(slot)
+    dst = next(i for i in redis_cluster.masters() if i != src)
     stop, bad, errors, counts = threading.Event(), [], [], Counter[str]()
 
     def reader():
@@ -357,15 +349,15 @@ def test_slot_migration_while_reading(cluster):
         warnings.simplefilter("ignore")
         t.start()
         try:
-            moved = cluster.migrate_slot(slot, dst, batch=5, pause_s=0.05)
+            moved = redis_cluster.migrate_slot(slot, dst, batch=5, pause_s=0.05)
         finally:
             stop.set()
             t.join(30)
     assert moved > 5 and not errors and not bad, (errors, bad[:3])
     assert counts["hit"] > 0
-    assert cluster.master_of_slot(slot) == dst
+    assert redis_cluster.master_of_slot(slot) == dst
     assert all(s.get(k) == blob_for(k, size=2000) for k in keys)
-    cluster.migrate_slot(slot, src)  # put it back for the other tests
+    redis_cluster.migrate_slot(slot, src)  # put it back for the other tests
     s.clear()
     s.close()
 
@@ -527,13 +519,13 @@ def run_cli(*args):
     return runner.invoke(cli, list(args), catch_exceptions=False)
 
 
-def test_cli_store_stats_and_gc(cluster, redis_node, tmp_path):
+def test_cli_store_stats_and_gc(redis_cluster, redis_server, tmp_path):
     import json
 
     namespace = ns()
     stores: dict[str, tuple] = {"directory": (str(tmp_path / "d"), DirectoryBackend(str(tmp_path / "d"))),
-              "redis": (redis_node.url, RedisBackend(redis_node.url, namespace=namespace)),
-              "redis-cluster": (cluster.url, RedisClusterBackend(cluster.url, namespace=namespace))}
+              "redis": (redis_server.url, RedisBackend(redis_server.url, namespace=namespace)),
+              "redis-cluster": (redis_cluster.url, RedisClusterBackend(redis_cluster.url, namespace=namespace))}
     for kind, (url, s) in stores.items():
         for i in range(5):
             s.put(f"k{i}", blob_for(f"k{i}"))
@@ -567,13 +559,13 @@ def test_cli_store_stats_and_gc(cluster, redis_node, tmp_path):
 
 
 # ---- what the adapters build on a cluster -------------------------------------------------------------
-def test_chunk_store_over_the_cluster(cluster):
+def test_chunk_store_over_the_cluster(redis_cluster):
     import numpy as np
 
     from alignpred.cache.rope import RopeSpec
     from kvz.integrations.chunkstore import ChunkStore
 
-    st = ChunkStore(open_url(cluster.url + f"?namespace={ns()}"), model_id="synthetic",
+    st = ChunkStore(open_url(redis_cluster.url + f"?namespace={ns()}"), model_id="synthetic",
                     layer_types=["full_attention"] * 2, rope=RopeSpec.from_thetas([1e4] * 2, head_dim=8),
                     shape=(2, 2, 8), codec="raw", chunk_tokens=8, raw_dtype="float32")
     ids = list(range(100, 124))
