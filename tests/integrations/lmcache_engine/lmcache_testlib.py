@@ -103,9 +103,3 @@ def quiet():
         warnings.simplefilter("ignore", DeprecationWarning)
         yield
 
-
-@pytest.fixture
-def redis_server():
-    from kvz.integrations.kvstore.server import redis_server_fixture
-
-    yield from redis_server_fixture()

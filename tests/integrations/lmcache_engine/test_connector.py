@@ -13,7 +13,7 @@ import lmcache_testlib  # noqa: E402
 
 lmcache_testlib.require_lmcache()
 import torch  # noqa: E402
-from lmcache_testlib import EPS, SAMPLE, D, H, L, chunk_errors, kvz_extra, lm_config, lm_metadata, redis_server, sample  # noqa: E402,F401,F811
+from lmcache_testlib import EPS, SAMPLE, D, H, L, chunk_errors, kvz_extra, lm_config, lm_metadata, sample  # noqa: E402,F401,F811
 
 CONN = {"remote_storage_plugin.kvzr.module_path": "kvz.integrations.lmcache",
         "remote_storage_plugin.kvzr.class_name": "KvzRemoteConnector"}
@@ -62,12 +62,9 @@ def storage_manager(cfg, chunk_size=256):
     return StorageManager(config=cfg, metadata=lm_metadata(chunk_size), event_manager=EventManager())
 
 
-@pytest.mark.parametrize("store", ["directory", "redis"])
-def test_storage_manager_remote_roundtrip(tmp_path, sample, store, request):
-    if store == "redis":
-        url = request.getfixturevalue("redis_server").url
-    else:
-        url = "file://" + str(tmp_path / "remote")
+@pytest.mark.parametrize("store", ["directory", "redis", "redis-cluster"])
+def test_storage_manager_remote_roundtrip(tmp_path, sample, store, store_url):
+    url = store_url(store)  # a fresh store (tests/integrations/conftest.py)
     _, kv = sample
     sm = storage_manager(remote_config(url))
     try:
@@ -85,13 +82,13 @@ def test_storage_manager_remote_roundtrip(tmp_path, sample, store, request):
         sm.close()
 
 
-def test_engine_store_retrieve_over_redis(sample, redis_server):
+def test_engine_store_retrieve_over_redis(sample, redis_store):
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
     from kvz.integrations.lmcache import CPUBufferConnector
 
     ids, kv = sample
-    cfg = remote_config(redis_server.url, lossless=True)
+    cfg = remote_config(redis_store.url, lossless=True)
     cfg.local_cpu = False
     name = "kvz-remote-engine"
     engine = LMCacheEngineBuilder.get_or_create(name, cfg, lm_metadata(), CPUBufferConnector(L, H, D, 256),
@@ -112,13 +109,11 @@ def test_engine_store_retrieve_over_redis(sample, redis_server):
         LMCacheEngineBuilder.destroy(name)
 
 
-def test_store_down_and_corrupt_entry_are_misses(sample, redis_server):
-    import redis
-
+def test_store_down_and_corrupt_entry_are_misses(sample, redis_store):
     from kvz.integrations.lmcache import KvzRemoteConnector
 
     _, kv = sample
-    sm = storage_manager(remote_config(redis_server.url))
+    sm = storage_manager(remote_config(redis_store.url))
     try:
         remote = sm.storage_backends["RemoteBackend-kvzr"]
         k = key(5)
@@ -128,8 +123,8 @@ def test_store_down_and_corrupt_entry_are_misses(sample, redis_server):
         conn = KvzRemoteConnector(sm.loop if hasattr(sm, "loop") else None, sm.storage_backends["LocalCPUBackend"],
                                   sm.config if hasattr(sm, "config") else remote.config)
         assert conn.codec.wait_ready(300) and conn.codec.warmup_s > 0  # compiled at start-up, in the background
-        # corrupt the stored entry in Redis: a miss and a warning, the entry is gone
-        r = redis.Redis.from_url(redis_server.url)
+        # corrupt the stored entry in Redis (one node or the cluster): a miss and a warning, the entry is gone
+        r = redis_store.raw()
         rk = conn.backend.entry_key(k.to_string())
         data = bytearray(r.get(rk))
         data[len(data) // 2] ^= 0xFF
@@ -138,10 +133,10 @@ def test_store_down_and_corrupt_entry_are_misses(sample, redis_server):
             warnings.simplefilter("always")
             assert conn._get_sync(k) is None
         assert w and not conn.exists_sync(k)
-        # the server goes away: contains/get are misses with a warning, nothing raises
+        # the server (every node of the cluster) goes away: contains/get are misses with a warning, nothing raises
         put_chunk(sm, kv, key(6), 0, 256)
         wait_stored(remote, key(6))
-        redis_server.stop()
+        redis_store.stop()
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             assert conn._get_sync(key(6)) is None

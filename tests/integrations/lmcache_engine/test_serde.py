@@ -12,7 +12,7 @@ import lmcache_testlib  # noqa: E402
 
 lmcache_testlib.require_lmcache()
 import torch  # noqa: E402
-from lmcache_testlib import EPS, SAMPLE, D, H, L, chunk_errors, redis_server, sample  # noqa: E402,F401,F811
+from lmcache_testlib import EPS, SAMPLE, D, H, L, chunk_errors, sample  # noqa: E402,F401,F811
 
 KW = {"eps": EPS, "bank": "gemma-3-270m", "metadata_from": SAMPLE, "chunk_size": 64}
 

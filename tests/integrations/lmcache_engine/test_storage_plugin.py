@@ -12,7 +12,7 @@ import lmcache_testlib  # noqa: E402
 
 lmcache_testlib.require_lmcache()
 import torch  # noqa: E402
-from lmcache_testlib import EPS, D, H, L, chunk_errors, kvz_extra, lm_config, lm_metadata, redis_server, sample  # noqa: E402,F401,F811
+from lmcache_testlib import EPS, D, H, L, chunk_errors, kvz_extra, lm_config, lm_metadata, sample  # noqa: E402,F401,F811
 
 PLUGIN = {"storage_plugin.kvz.module_path": "kvz.integrations.lmcache",
           "storage_plugin.kvz.class_name": "KvzStoragePlugin"}
