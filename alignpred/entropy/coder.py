@@ -103,7 +103,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from alignpred.entropy import rans
+from alignpred.entropy import lanes, rans
+from alignpred.entropy import registry as _registry
 from alignpred.entropy.models import MODEL_SET_ID
 from alignpred.entropy.models import load as _load_tables
 from alignpred.errors import EncodeError, FormatError
@@ -114,8 +115,6 @@ __all__ = ["MODEL_SET_ID", "PREC", "N_MODELS", "N_TOKENS", "CODERS", "CODER_IDS"
 PREC: int = rans.PREC
 N_TOKENS: int = rans.N_TOKENS
 N_MODELS: int = int(_load_tables().freq.shape[0])
-CODERS = ("rans4", "constriction", "lanes32")
-CODER_IDS = {"rans4": 0, "constriction": 1, "lanes32": 2}   # suggested ids for file headers
 _MAX_SYMBOLS = 1 << 32
 _MAX_SYMBOLS_PER_BYTE = 2048
 _FX = 1 << 16
@@ -212,16 +211,7 @@ def encode(q: np.ndarray, model_ids: np.ndarray, coder: str = "rans4") -> bytes:
         return b""
     if q.size >= _MAX_SYMBOLS:
         raise EncodeError("object too large")
-    t = _load_tables()
-    if coder == "rans4":
-        return rans.encode_kernel(q, ids, t.packed).astype("<u4", copy=False).tobytes()
-    if coder == "constriction":
-        return _encode_constriction(q, ids)
-    if coder == "lanes32":
-        from alignpred.entropy import lanes
-
-        return lanes.encode(q, ids)
-    raise EncodeError(f"unknown coder {coder!r}; expected one of {CODERS}")
+    return _registry.get(coder, EncodeError).encode(q, ids)
 
 
 def _payload_words(buf) -> np.ndarray:
@@ -267,36 +257,14 @@ def decode(buf, model_ids: np.ndarray, shape: tuple[int, int],
         raise FormatError(f"bad shape {shape!r}") from None
     if C < 0 or N < 0 or C * N >= _MAX_SYMBOLS:
         raise FormatError(f"bad shape {shape!r}")
+    impl = _registry.get(coder)
     ids = _as_ids(model_ids, C, FormatError)
     raw = _checked_payload(buf, C, N, shape)
     if C * N == 0:
         if raw.size:
             raise FormatError("non-empty payload for an empty object")
         return np.zeros((C, N), np.int32) if out is None else out
-    t = _load_tables()
-    if coder == "rans4":
-        if raw.size % 4 or raw.size < rans.STATE_BYTES:
-            raise FormatError(f"rans4 payload length {raw.size} is invalid")
-        words = raw.view("<u4").astype(np.uint32, copy=False)
-        if out is None:
-            out = np.empty((C, N), np.int32)
-        elif out.shape != (C, N) or out.dtype != np.int32:
-            raise ValueError(f"out must be int32 {(C, N)}, got {out.dtype} {out.shape}")
-        err = rans.decode_kernel(words, ids, t.coarse, t.cumhi, t.packed, t.base, t.nbits, out)
-        if err != rans.ERR_OK:
-            raise FormatError(f"rans4 payload invalid: {rans.ERROR_TEXT[err]}")
-        return out
-    if coder == "lanes32":
-        from alignpred.entropy import lanes
-
-        return lanes.decode(raw, ids, (C, N), out=out)
-    if coder == "constriction":
-        res = _decode_constriction(raw, ids, C, N)
-        if out is None:
-            return res
-        out[...] = res
-        return out
-    raise FormatError(f"unknown coder {coder!r}")
+    return impl.decode(raw, ids, C, N, out)
 
 
 def decode_objects(bufs: list, model_ids: np.ndarray, C: int, widths, coder: str, out: np.ndarray) -> np.ndarray:
@@ -313,7 +281,8 @@ def decode_objects(bufs: list, model_ids: np.ndarray, C: int, widths, coder: str
     """
     if len(bufs) != len(widths):
         raise ValueError("one width per payload")
-    if coder != "lanes32" or not bufs:
+    impl = _registry.get(coder)
+    if impl.decode_objects is None or not bufs:
         c0 = 0
         for buf, n in zip(bufs, widths):
             decode(buf, model_ids, (C, n), coder, out=out[:, c0:c0 + n])
@@ -333,9 +302,40 @@ def decode_objects(bufs: list, model_ids: np.ndarray, C: int, widths, coder: str
         kept.append(n)
     if not raws:
         return out
-    from alignpred.entropy import lanes
+    return impl.decode_objects(raws, ids, C, kept, out)
 
-    return lanes.decode_objects(raws, ids, C, kept, out)
+
+# --- the coders' bitstreams (registered at the end of this module) ---------------------------
+
+def _encode_rans4(q: np.ndarray, ids: np.ndarray) -> bytes:
+    return rans.encode_kernel(q, ids, _load_tables().packed).astype("<u4", copy=False).tobytes()
+
+
+def _decode_rans4(raw: np.ndarray, ids: np.ndarray, C: int, N: int, out: np.ndarray | None) -> np.ndarray:
+    if raw.size % 4 or raw.size < rans.STATE_BYTES:
+        raise FormatError(f"rans4 payload length {raw.size} is invalid")
+    t = _load_tables()
+    words = raw.view("<u4").astype(np.uint32, copy=False)
+    if out is None:
+        out = np.empty((C, N), np.int32)
+    elif out.shape != (C, N) or out.dtype != np.int32:
+        raise ValueError(f"out must be int32 {(C, N)}, got {out.dtype} {out.shape}")
+    err = rans.decode_kernel(words, ids, t.coarse, t.cumhi, t.packed, t.base, t.nbits, out)
+    if err != rans.ERR_OK:
+        raise FormatError(f"rans4 payload invalid: {rans.ERROR_TEXT[err]}")
+    return out
+
+
+def _decode_lanes32(raw: np.ndarray, ids: np.ndarray, C: int, N: int, out: np.ndarray | None) -> np.ndarray:
+    return lanes.decode(raw, ids, (C, N), out=out)
+
+
+def _decode_constriction_into(raw: np.ndarray, ids: np.ndarray, C: int, N: int, out: np.ndarray | None) -> np.ndarray:
+    res = _decode_constriction(raw, ids, C, N)
+    if out is None:
+        return res
+    out[...] = res
+    return out
 
 
 # --- constriction reference coder ----------------------------------------------------------
@@ -452,3 +452,19 @@ def decode_ctx(buf, ids: np.ndarray) -> np.ndarray:
     if err != rans.ERR_OK:
         raise FormatError(f"rans4 payload invalid: {rans.ERROR_TEXT[err]}")
     return out
+
+
+# --- the registry's built-in coders (ids are the header's; names are what files record) -----
+
+_registry.register(_registry.Coder(
+    0, "rans4", PREC, 0, "4 interleaved 64-bit rANS lanes, 15-bit tables (the default)",
+    _encode_rans4, _decode_rans4, errors=rans.ERROR_TEXT))
+_registry.register(_registry.Coder(
+    1, "constriction", PREC, 0, "constriction's AnsCoder: an independent reference implementation",
+    lambda q, ids: _encode_constriction(q, ids), _decode_constriction_into))
+_registry.register(_registry.Coder(
+    2, "lanes32", lanes.LANES_PREC, 2, "32 rANS lanes in lock-step for SIMD and GPU decoders, 12-bit tables",
+    lanes.encode, _decode_lanes32, decode_objects=lanes.decode_objects, errors=lanes.ERROR_TEXT))
+
+CODERS = tuple(c.name for c in _registry.coders())
+CODER_IDS = {c.name: c.id for c in _registry.coders()}   # suggested ids for file headers

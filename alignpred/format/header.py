@@ -23,6 +23,7 @@ from alignpred.bank.bank import Bank
 from alignpred.cache.layout import CacheLayout
 from alignpred.codec.budget import SCOPES, WEIGHTED, ErrorBudget, TensorMeta
 from alignpred.codec.config import ARITHS, SINK_ORIGINS, CodecConfig
+from alignpred.entropy import registry as coder_registry
 from alignpred.errors import BankMismatchError, FormatError
 from alignpred.format.container import FLAG_REFINE, MAJOR
 
@@ -71,16 +72,14 @@ def minor_for(layout, config, scope: str = "tensor", tiers=("coarse",), coder: s
     tier; 1.0 otherwise (kvz 0.1)."""
     if config.channel_steps or config.stale_window or config.row_steps:
         return 3
-    if coder == "lanes32":
-        return 2
     new = (config.arith != "float" or config.sink_origin != "file" or layout.rope is not None
            or list(tiers) != ["coarse"] or scope in WEIGHTED)  # tensor_cap alone is informative
-    return 1 if new else 0
+    return max(1 if new else 0, coder_registry.get(coder).min_minor)
 
 
 def coder_prec(coder: str) -> int:
     """The probability precision a coder's models use (recorded in the header, checked on read)."""
-    return entropy.LANES_PREC if coder == "lanes32" else entropy.PREC
+    return coder_registry.get(coder).precision
 
 
 def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas, source_metadata,
