@@ -56,9 +56,3 @@ def sample():
 def kvz_extra(url, **kw):
     return hicache_extra(url, SAMPLE, eps=EPS, **kw)
 
-
-@pytest.fixture
-def redis_server():
-    from kvz.integrations.kvstore.server import redis_server_fixture
-
-    yield from redis_server_fixture()

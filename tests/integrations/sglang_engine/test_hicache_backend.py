@@ -12,7 +12,7 @@ import sglang_testlib  # noqa: E402
 
 sglang_testlib.require_sglang()
 import torch  # noqa: E402
-from sglang_testlib import EPS, PAGE, D, H, L, host_pool, kvz_extra, nrmse, redis_server, sample, storage_config  # noqa: E402,F401,F811
+from sglang_testlib import EPS, PAGE, D, H, L, host_pool, kvz_extra, nrmse, sample, storage_config  # noqa: E402,F401,F811
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
@@ -115,17 +115,17 @@ def test_v0_path_searches_the_position(tmp_path, sample):
     assert nrmse(pool.get_data_page(PAGE).float().numpy(), out.float().numpy()) <= EPS
 
 
-def test_redis_corrupt_and_down_are_misses(sample, redis_server):
-    import redis
-
+def test_redis_corrupt_and_down_are_misses(sample, redis_store):
+    """One node or the 3-master cluster (tests/integrations/conftest.py): a damaged entry is a miss and
+    gone; the store down (every node) makes reads misses and writes refusals, with a warning."""
     _, k, v = sample
     pool = host_pool("page_head")
-    be = make_backend(pool, redis_server.url)
+    be = make_backend(pool, redis_store.url)
     for i in range(2):
         pool.set_from_flat_data_page(PAGE * (1 + i), as_layout(canonical(k, v, i * PAGE), "page_head"))
     assert be.batch_set_v1(["a", "b"], torch.arange(PAGE, 3 * PAGE)) == [True, True]
     assert be.batch_get_v1(["a", "b"], torch.arange(5 * PAGE, 7 * PAGE)) == [True, True]
-    r = redis.Redis.from_url(redis_server.url)
+    r = redis_store.raw()
     rk = be.backend.entry_key(be._key("a"))
     data = bytearray(r.get(rk))
     data[len(data) // 2] ^= 0x55
@@ -134,7 +134,7 @@ def test_redis_corrupt_and_down_are_misses(sample, redis_server):
         warnings.simplefilter("always")
         assert be.batch_get_v1(["a"], torch.arange(5 * PAGE, 6 * PAGE)) == [False]
     assert w and not be.exists("a")
-    redis_server.stop()
+    redis_store.stop()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         assert be.batch_exists(["b"]) == 0
