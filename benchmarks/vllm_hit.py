@@ -194,6 +194,12 @@ def run(size: int, model_dir: str, *, rounds: int = 3, links=("1g", "10g"), work
                                  (ll_w["connector"]["counters"]["stored_bytes"] if lossless else sizes[name])))
     a = next(r for r in rows if r["store"] == f"kvz-{auto['profile']}")
     rows.append({**a, "store": "kvz-auto", "note": f"= kvz-{auto['profile']} (auto's choice here)"})
+    # the same hit without the decode process's idle-priority threads on the engine's core (A/B)
+    d = str(root / f"kvz-{auto['profile']}")
+    out = engine("kvz-auto-noidle-reader", {"store": d, "read_only": True, "eps": 0.02, "idle_cores": "none"},
+                 [reader] * rounds)
+    row("kvz-auto", "local, no idle threads", out, a["stored_bytes"],
+        "idle_cores none: the decode process on the load cores only")
     # 4. Redis behind a link
     with RedisServer() as srv:
         copy_to_redis(str(root / f"kvz-{auto['profile']}"), srv.url, "hit")
