@@ -11,14 +11,15 @@ ROOT="$(pwd)"
 VENV="${VLLM_VENV:-$HOME/.cache/kvz/venv-vllm}"
 PY="$VENV/bin/python"
 
-# The README's install lines, as written (its block marked <!-- ci: vllm-install -->), in the venv
+# The install lines of docs/vllm.md (the README's vLLM page), as written (its block marked
+# <!-- ci: vllm-install -->), in the venv
 # (made when absent; re-running them on a kept venv is quick and undoes any drift).
 [ -x "$PY" ] || python3 -m venv "$VENV"
 "$PY" -m pip install -q --upgrade pip
-INSTALL="$(python3 - "$ROOT/README.md" <<'PYEOF'
+INSTALL="$(python3 - "$ROOT/docs/vllm.md" <<'PYEOF'
 import re, sys
 m = re.search(r"<!-- ci: vllm-install -->\s*\n```bash\n(.*?)```", open(sys.argv[1]).read(), re.S)
-sys.exit("README: no vLLM install block") if not m else print(m.group(1))
+sys.exit("docs/vllm.md: no vLLM install block") if not m else print(m.group(1))
 PYEOF
 )"
 echo "$INSTALL"
@@ -37,7 +38,7 @@ MODEL_DIR="${KVZ_VLLM_MODEL_DIR:-$HOME/.cache/kvz/gemma3-hf}"
 export KVZ_VLLM_MODEL_DIR="$MODEL_DIR"
 export KVZ_REQUIRE_REDIS=1 KVZ_REQUIRE_ENGINE=vllm
 
-# Compile kvz's numba kernels once into numba's on-disk cache (what the README says to run at
+# Compile kvz's numba kernels once into numba's on-disk cache (what docs/vllm.md says to run at
 # install time), so the engine processes of the tests load them instead of compiling.
 (cd /tmp && "$VENV/bin/kvz" warmup)
 

@@ -6,9 +6,11 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOCS = sorted("docs/" + f for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
 
 
-@pytest.mark.parametrize("doc", ["README.md", "format_spec/README.md", "samples/README.md", "benchmarks/RESULTS.md"])
+@pytest.mark.parametrize("doc", ["README.md", "format_spec/README.md", "samples/README.md", "benchmarks/RESULTS.md",
+                                 "benchmarks/README.md", *DOCS])
 def test_relative_links_stay_in_the_repository(doc):
     path = os.path.join(ROOT, doc)
     text = open(path, encoding="utf-8").read()
@@ -33,7 +35,7 @@ def test_acceptance_refuses_a_missing_data_set(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("doc", ["README.md", "benchmarks/RESULTS.md", "benchmarks/results/quality-20prompts.md",
-                                 "docs/own-model.md", "format_spec/README.md"])
+                                 "format_spec/README.md", *DOCS])
 def test_docs_name_no_bank_file_that_does_not_exist(doc):
     """Every ``*.h5`` path a document names exists (issue 16: results named a bank that had moved)."""
     text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
@@ -57,3 +59,30 @@ def test_the_eps_table_is_the_measured_one():
         s = res[name]
         assert (float(bpv), float(kl), int(same)) == (round(s["bpv"], 2), float(f"{s['kl_mean']:.2e}"),
                                                       round(100 * s["identical_frac"])), name
+
+
+def test_the_readme_is_the_front_door():
+    """Issue 41, item 6: at most 300 lines, two set-up commands (install, run the tests), and a link to
+    every docs page."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert len(text.splitlines()) <= 300
+    setup = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", setup, re.S).group(1)
+    assert [line.split("#")[0].strip() for line in block.splitlines() if line.strip()] == [
+        'python -m pip install -e ".[test,bench,model,store]"', "python -m pytest -q"]
+    missing = [d for d in DOCS if f"]({d})" not in text]
+    assert not missing, f"the README links no {missing}"
+
+
+def test_study_commands_in_the_docs_name_modules_that_exist():
+    """Every ``python -m benchmarks.studies...`` and ``python -m kvz.benchmarks...`` a page names is a module
+    (or package) of ``benchmarks/``."""
+    bad = []
+    for doc in ["README.md", "benchmarks/README.md", "format_spec/README.md", *DOCS]:
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        for mod in re.findall(r"python -m ((?:kvz\.)?benchmarks\.[\w.]+)", text):
+            parts = mod.removeprefix("kvz.").split(".")
+            path = os.path.join(ROOT, *parts)
+            if not (os.path.exists(path + ".py") or os.path.exists(os.path.join(path, "__init__.py"))):
+                bad.append(f"{doc}: {mod}")
+    assert not bad, "\n".join(bad)

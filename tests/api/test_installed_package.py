@@ -111,10 +111,11 @@ def test_installed_package_never_reaches_into_tests():
 
 
 def _readme_engine_commands() -> list[list[str]]:
+    """The engine-benchmark commands the README and the docs pages name."""
     import re
     import shlex
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = "".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     cmds = sorted(set(re.findall(r"`(python -m kvz\.benchmarks\.engines[^`]*)`", text)))
     return [shlex.split(c)[1:] for c in cmds]  # without "python"
 
