@@ -94,6 +94,7 @@ class AttentionStats:
     token_quantiles_sq: np.ndarray | None = None
     meta: dict = field(default_factory=dict)
     sliding_window: int = 0  # the model's attention window of its sliding layers (0: none or unknown)
+    kl_per_eps2: float = 0.0  # attention scope without capture statistics: mean next-token KL per eps² (0: unknown)
 
     def __post_init__(self):
         for name in _ARRAYS:
@@ -155,6 +156,9 @@ class AttentionStats:
         sw = self.sliding_window
         if isinstance(sw, bool) or not isinstance(sw, int) or sw < 0:
             raise AttentionStatsError(f"attention stats: sliding_window {sw!r} is not a non-negative integer")
+        c = self.kl_per_eps2
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (math.isfinite(c) and c >= 0):
+            raise AttentionStatsError(f"attention stats: kl_per_eps2 {c!r} is not a non-negative number")
 
     @classmethod
     def empty(cls, model: str, bank_id: str, layer_types, *, kv_heads: int, head_dim: int, prior: int = 8,
@@ -216,7 +220,8 @@ class AttentionStats:
         return {"format": FORMAT, "version": VERSION, "model": self.model, "bank_id": self.bank_id,
                 "layer_types": list(self.layer_types), "pairing": self.pairing,
                 "quantile_levels": list(self.quantile_levels), "arrays": arrays, "meta": self.meta,
-                **({"sliding_window": self.sliding_window} if self.sliding_window else {})}
+                **({"sliding_window": self.sliding_window} if self.sliding_window else {}),
+                **({"kl_per_eps2": self.kl_per_eps2} if self.kl_per_eps2 else {})}
 
     @classmethod
     def from_json(cls, d, where: str = "attention stats") -> AttentionStats:
@@ -231,7 +236,8 @@ class AttentionStats:
             kw: dict[str, Any] = {n: arrays.get(n) for n in _ARRAYS}
             kw.update(model=d.get("model", ""), bank_id=d.get("bank_id"), layer_types=tuple(d["layer_types"]),
                       pairing=d.get("pairing", "half"), quantile_levels=tuple(d["quantile_levels"]),
-                      meta=d.get("meta", {}), sliding_window=d.get("sliding_window", 0))
+                      meta=d.get("meta", {}), sliding_window=d.get("sliding_window", 0),
+                      kl_per_eps2=d.get("kl_per_eps2", 0.0))
             return cls(**kw)
         except AttentionStatsError as e:
             raise AttentionStatsError(f"{where}: {str(e).removeprefix('attention stats: ')}") from None

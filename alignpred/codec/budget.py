@@ -23,7 +23,7 @@ import numpy as np
 from alignpred.errors import KvzError
 
 __all__ = ["ErrorBudget", "SCOPES", "JOINT", "WEIGHTED", "TENSOR_CAP", "PLAIN_CAP", "DEFAULT_EPS", "STEP_UNIT",
-           "TensorMeta"]
+           "TensorMeta", "FP8_KL", "named_kl"]
 
 SCOPES = ("object", "tensor", "pooled", "weighted", "attention")
 JOINT = ("pooled", "weighted", "attention")  # scopes whose budget spans the whole cache
@@ -31,7 +31,29 @@ WEIGHTED = ("weighted", "attention")  # scopes whose budget weighs tensors by th
 TENSOR_CAP = 3.0  # joint scopes: default cap of every tensor's NRMSE, in multiples of eps
 PLAIN_CAP = 0.5  # attention scope: every tensor's plain NRMSE over the positions a later query reads
 DEFAULT_EPS = 0.03  # what `kvz compress` uses when neither --eps nor --target-kl is given
+# FP8 e4m3's mean next-token KL on Gemma 3 270M's 1,024-token contexts (8 prompts of the rate study's held-out
+# documents, 32 teacher-forced tokens; `python -m kvz.benchmarks.rate_quality --long`,
+# benchmarks/results/rate_quality-long.md): what target_kl="fp8" means (docs/engine-scope.md)
+FP8_KL = 2.02e-3
 STEP_UNIT = 32  # tensors[].step_codes: a channel's step multiplier is code / STEP_UNIT (code 1..255)
+
+
+def named_kl(value) -> float:
+    """A KL target: a positive number, or ``"fp8"`` (:data:`FP8_KL`).
+
+    >>> named_kl("fp8"), named_kl("1e-3"), named_kl(0.002)
+    (0.00202, 0.001, 0.002)
+    """
+    if isinstance(value, str):
+        if value.strip().lower() == "fp8":
+            return FP8_KL
+        try:
+            value = float(value)
+        except ValueError:
+            raise KvzError(f"target_kl must be a positive number or 'fp8', got {value!r}") from None
+    if not (_number(value) and value > 0):
+        raise KvzError(f"target_kl must be a positive number or 'fp8', got {value!r}")
+    return float(value)
 
 
 def _number(v) -> bool:

@@ -5,7 +5,9 @@ A serde has ``kind``, ``binding()`` (the part of the chunk keys' binding it owns
 layer, numpy ``[kv_heads, n, d]``; ``meta``: the cache metadata) and ``decode_into(blob, out) ->
 metadata`` (``out(layer) -> (k_view, v_view)``: decode straight into the caller's buffers).
 
-* :class:`KvzSerde` — a normal ``.kvz`` of the chunk's positions at ``eps`` with a bank (all layers
+* :class:`KvzSerde` — a normal ``.kvz`` of the chunk's positions at ``eps`` (the tensor scope, as
+  before) or, with neither eps nor ``target_kl`` given, at FP8's KL in the attention scope from the
+  bank's statistics (:class:`~kvz.integrations.scope.StoreBudget`; docs/engine-scope.md) with a bank (all layers
   coded together: the inter-layer maps read earlier layers), decoded with one
   :class:`alignpred.DecoderSession`;
 * :class:`RawSerde` — uncompressed safetensors bytes in ``float16``/``bfloat16``/``float32``: the
@@ -24,33 +26,43 @@ RAW_DTYPES = ("float16", "bfloat16", "float32")
 
 
 class KvzSerde:
-    """Chunks as ``.kvz`` bytes: ``eps`` / ``scope`` (the error budget), ``bank`` (any bank
+    """Chunks as ``.kvz`` bytes: ``eps`` / ``scope`` or ``target_kl`` (the error budget, :attr:`budget`;
+    neither: ``target_kl="fp8"``), ``bank`` (any bank
     reference :func:`alignpred.resolve_bank` takes, or None for the encoder's own choice),
     ``config`` (a :class:`alignpred.CodecConfig`), ``session`` (a :class:`alignpred.DecoderSession`
     shared by every decode; default: one holding the bank)."""
 
     kind = "kvz"
 
-    def __init__(self, eps: float, bank, config=None, scope: str = "tensor", session=None):
-        from alignpred import CodecConfig, DecoderSession, resolve_bank
+    def __init__(self, eps: float | None, bank, config=None, scope: str | None = None, session=None,
+                 target_kl=None):
+        import logging
 
-        self.eps = float(eps)
-        self.scope = scope
+        from alignpred import CodecConfig, DecoderSession, resolve_bank
+        from kvz.integrations.scope import StoreBudget
+
         self.config = config or CodecConfig()
         self.bank = resolve_bank(bank) if bank is not None else None
+        self.budget = StoreBudget.choose(self.bank, eps=eps, target_kl=target_kl, scope=scope,
+                                         fallback_eps=DEFAULT_EPS)
+        self.eps, self.scope = self.budget.eps, self.budget.scope
+        logging.getLogger("kvz.integrations.chunkstore").info("kvz chunk store: %s", self.budget.describe())
         self.session = session or DecoderSession(banks=[self.bank] if self.bank is not None else ())
 
     def binding(self) -> dict:
         from alignpred.format import MAJOR
 
-        return {"codec": "kvz", "format_major": MAJOR, "config": self.config.to_json(),
-                "bank": self.bank.id if self.bank is not None else None, "eps": self.eps, "scope": self.scope}
+        out = {"codec": "kvz", "format_major": MAJOR, "config": self.config.to_json(),
+               "bank": self.bank.id if self.bank is not None else None, "eps": self.eps, "scope": self.scope}
+        if self.budget.target_kl is not None:  # an eps-only serde keeps the keys it always had
+            out["target_kl"] = self.budget.target_kl
+        return out
 
     def encode(self, kv, meta) -> bytes:
         from alignpred import Cache, compress_bytes
 
-        return compress_bytes(Cache.from_arrays(kv, meta), eps=self.eps, bank=self.bank, scope=self.scope,
-                              config=self.config)
+        return compress_bytes(Cache.from_arrays(kv, meta), bank=self.bank, config=self.config,
+                              **self.budget.compress_kwargs())
 
     def decode_into(self, blob, out) -> dict:
         """Decode every layer into ``out(layer) -> (k_view, v_view)``; returns the source metadata."""

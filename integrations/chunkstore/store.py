@@ -26,7 +26,7 @@ from kvz.integrations.chunkstore.keys import (
     chunk_keys,
     chunk_tokens_digest,
 )
-from kvz.integrations.chunkstore.serde import DEFAULT_EPS, KvzSerde, RawSerde
+from kvz.integrations.chunkstore.serde import KvzSerde, RawSerde
 
 __all__ = ["ChunkStore", "Hit", "ChunkStoreWarning"]
 
@@ -50,15 +50,16 @@ class ChunkStore:
     content keys bound to the model and codec (:mod:`~kvz.integrations.chunkstore.keys`).
 
     ``backend``: a backend (default: a :class:`DirectoryBackend` in ``~/.cache/kvz/chunks``).
-    ``codec``: ``"kvz"`` (compressed at ``eps`` with ``bank``, default: a :class:`KvzSerde`) or
+    ``codec``: ``"kvz"`` (compressed at ``eps`` — or ``target_kl``, a KL or ``"fp8"``, the default when
+    neither is given: the attention scope from the bank's statistics — with ``bank``: a :class:`KvzSerde`) or
     ``"raw"`` (``raw_dtype`` arrays, uncompressed: the lossless reference, a :class:`RawSerde`); the
     serde is :attr:`codec`. ``layer_types`` / ``rope`` (a RopeSpec) /
     ``shape`` ``(layers, kv_heads, head_dim)`` describe the cache; :meth:`for_model` reads them from
     a transformers model."""
 
     def __init__(self, backend, *, model_id: str, layer_types, rope, shape, codec: str = "kvz",
-                 eps: float = DEFAULT_EPS, bank="gemma-3-270m", config=None, scope: str = "tensor",
-                 raw_dtype: str = "float16", chunk_tokens: int = CHUNK_TOKENS, session=None):
+                 eps: float | None = None, bank="gemma-3-270m", config=None, scope: str | None = None,
+                 raw_dtype: str = "float16", chunk_tokens: int = CHUNK_TOKENS, session=None, target_kl=None):
         if backend is None:
             import os
 
@@ -72,7 +73,7 @@ class ChunkStore:
         self.shape = tuple(int(x) for x in shape)
         self.chunk_tokens = int(chunk_tokens)
         if codec == "kvz":
-            self.codec: KvzSerde | RawSerde = KvzSerde(eps, bank, config, scope, session)
+            self.codec: KvzSerde | RawSerde = KvzSerde(eps, bank, config, scope, session, target_kl=target_kl)
         elif codec == "raw":
             self.codec = RawSerde(raw_dtype)
         else:

@@ -9,7 +9,7 @@ once, and the chunk's token position either given by the caller or found by
 
 ::
 
-    codec = KvzChunkCodec(bank="gemma-3-270m", eps=0.0267, cache_metadata=metadata_from_file(sample))
+    codec = KvzChunkCodec(bank="gemma-3-270m", cache_metadata=metadata_from_file(sample))  # FP8's KL
     blob = codec.encode(pairs, position_offset=None)      # None: the phase is searched
     pairs2, meta = codec.decode(blob)                      # the stored dtype; meta["position_offset"]
 
@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["KvzChunkCodec", "as_bool", "backend_from_url", "codec_from_options", "metadata_from_file",
+__all__ = ["KvzChunkCodec", "DEFAULT_EPS", "as_bool", "backend_from_url", "codec_from_options", "metadata_from_file",
            "model_metadata", "MODEL_FIELDS"]
 
 # The cache metadata fields that describe the model (not one cache): what an adapter configures once.
 MODEL_FIELDS = ("model", "layer_types", "rope_theta", "rope_pairing", "keys_roped", "rope", "rotary_dim",
                 "rope_scaling", "partial_rotary_factor", "attention_scaling")
 POSITION_MODES = ("search", "zero")
+DEFAULT_EPS = 0.0267  # an eps-less lossless codec's coarse tier, and the fallback of a bank without statistics
 
 
 def model_metadata(meta) -> dict:
@@ -70,7 +71,10 @@ class KvzChunkCodec:
     """Encode/decode one chunk (every layer) as a ``.kvz`` blob.
 
     ``bank``: a registry name, path or :class:`alignpred.Bank`; ``eps`` and ``scope`` as in
-    :func:`alignpred.compress`; ``lossless`` adds the exact tier (bit-exact decode).
+    :func:`alignpred.compress`, or ``target_kl`` (a mean next-token KL or ``"fp8"``): with neither
+    eps nor target_kl, FP8's KL in the attention scope from the bank's statistics
+    (:class:`~kvz.integrations.scope.StoreBudget`, :attr:`budget`; docs/engine-scope.md); ``eps``
+    alone keeps the tensor scope as before. ``lossless`` adds the exact tier (bit-exact decode).
     ``cache_metadata``: the model fields (see :func:`model_metadata`). ``position``: what to do when
     the caller gives no position — ``"search"`` (default: :func:`find_position_offset` over
     ``search_step``-aligned offsets below ``max_positions``) or ``"zero"``. ``profile``:
@@ -79,8 +83,8 @@ class KvzChunkCodec:
     """
 
     bank: object = "gemma-3-270m"
-    eps: float = 0.0267
-    scope: str = "tensor"
+    eps: float | None = None
+    scope: str | None = None
     lossless: bool = False
     cache_metadata: dict = field(default_factory=dict)
     position: str = "search"
@@ -88,6 +92,7 @@ class KvzChunkCodec:
     max_positions: int = 8192
     threads: int | None = 1
     profile: str = "default"
+    target_kl: object = None
     stats: dict = field(default_factory=lambda: {"encoded": 0, "decoded": 0, "searched": 0,
                                                  "encode_s": 0.0, "decode_s": 0.0, "search_s": 0.0,
                                                  "raw_bytes": 0, "stored_bytes": 0})
@@ -97,14 +102,38 @@ class KvzChunkCodec:
     def __post_init__(self):
         if self.position not in POSITION_MODES:
             raise ValueError(f"kvz position mode must be one of {POSITION_MODES}, got {self.position!r}")
-        self.eps = float(self.eps)
-        if not (self.eps > 0):
-            raise ValueError(f"kvz eps must be positive, got {self.eps}")
+        self.budget = self._choose_budget()
+        self.eps, self.scope = self.budget.eps, self.budget.scope
+        import logging
+
+        logging.getLogger("kvz.integrations.chunks").info("kvz chunk codec: %s", self.budget.describe())
         self.cache_metadata = model_metadata(self.cache_metadata or {})
         from alignpred.codec import PROFILES
 
         if self.profile not in PROFILES:
             raise ValueError(f"kvz profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+
+    def _choose_budget(self):
+        from alignpred import KvzError, resolve_bank
+        from kvz.integrations.scope import StoreBudget
+
+        eps, kl = self.eps, self.target_kl
+        if eps is not None:
+            eps = float(eps)
+            if not (eps > 0):
+                raise ValueError(f"kvz eps must be positive, got {eps}")
+        elif self.lossless and kl is None:
+            eps = DEFAULT_EPS  # the lossless tier: its coarse tier as before
+        bank = None
+        if eps is None:
+            try:
+                bank = resolve_bank(self.bank)
+            except KvzError:
+                bank = None  # compress names the problem at the first encode
+        try:
+            return StoreBudget.choose(bank, eps=eps, target_kl=kl, scope=self.scope, fallback_eps=DEFAULT_EPS)
+        except KvzError as e:
+            raise ValueError(f"kvz: {e}") from None
 
     # ------------------------------------------------------------------ encode
     def tensors(self, pairs) -> dict:
@@ -147,8 +176,8 @@ class KvzChunkCodec:
         if extra:
             meta.update({str(k): (v if isinstance(v, str) else json.dumps(v)) for k, v in extra.items()})
         t0 = time.perf_counter()
-        data = compress_bytes(Cache.from_arrays(tensors, meta), eps=self.eps, bank=self.bank, scope=self.scope,
-                              lossless=self.lossless, threads=self.threads, profile=self.profile)
+        data = compress_bytes(Cache.from_arrays(tensors, meta), bank=self.bank, lossless=self.lossless,
+                              threads=self.threads, profile=self.profile, **self.budget.compress_kwargs())
         self.stats["encode_s"] += time.perf_counter() - t0
         self.stats["encoded"] += 1
         self.stats["raw_bytes"] += sum(a.nbytes for a in tensors.values())
@@ -228,7 +257,7 @@ class KvzChunkCodec:
 
 
 def codec_from_options(opts: dict, *, default_step: int | None = None) -> KvzChunkCodec:
-    """A :class:`KvzChunkCodec` from an engine's string options (``bank``, ``eps``, ``scope``,
+    """A :class:`KvzChunkCodec` from an engine's string options (``bank``, ``eps``, ``target_kl``, ``scope``,
     ``lossless``, ``metadata`` (dict or JSON) or ``metadata_from`` (a kvz-cache file), ``position``,
     ``search_step``, ``max_positions``, ``threads``, ``profile``), with the adapters' defaults."""
     meta = opts.get("metadata")
@@ -238,8 +267,10 @@ def codec_from_options(opts: dict, *, default_step: int | None = None) -> KvzChu
         raise ValueError("kvz needs the model's cache metadata: set <prefix>.metadata (JSON with rope_theta, "
                          "rope_pairing, keys_roped, layer_types, model) or <prefix>.metadata_from (a kvz-cache file)")
     threads = opts.get("threads", 1)
-    return KvzChunkCodec(bank=opts.get("bank", "gemma-3-270m"), eps=float(opts.get("eps", 0.0267)),
-                         scope=str(opts.get("scope", "tensor")), lossless=as_bool(opts.get("lossless", False)),
+    eps, scope = opts.get("eps"), opts.get("scope")
+    return KvzChunkCodec(bank=opts.get("bank", "gemma-3-270m"), eps=None if eps in (None, "") else float(eps),
+                         scope=None if scope in (None, "") else str(scope), target_kl=opts.get("target_kl"),
+                         lossless=as_bool(opts.get("lossless", False)),
                          cache_metadata=model_metadata(meta), position=str(opts.get("position", "search")),
                          search_step=int(opts.get("search_step", default_step or 1)),
                          max_positions=int(opts.get("max_positions", 8192)),

@@ -4,10 +4,12 @@ Importing this module registers the factory with ``register_serde_factory("kvz",
 adapter spec selects it like LMCache's ``fp8``::
 
     {"type": "mock", "max_size_gb": 4, "mock_bandwidth_gb": 10,
-     "serde": {"type": "kvz", "eps": 0.0267, "bank": "gemma-3-270m",
+     "serde": {"type": "kvz", "target_kl": "fp8", "bank": "gemma-3-270m",
                "metadata_from": "/path/cache.safetensors", "chunk_size": 256}}
 
-kwargs: ``eps``, ``bank``, ``scope``, ``lossless``, ``metadata`` (JSON model fields) or
+kwargs: ``target_kl`` (a mean next-token KL or ``fp8``, the default: the attention scope from the bank's
+statistics) or ``eps`` (the tensor scope at that eps, as before; docs/engine-scope.md), ``bank``, ``scope``,
+``lossless``, ``metadata`` (JSON model fields) or
 ``metadata_from`` (a kvz-cache file), ``chunk_size`` (the position-search grid, LMCache's chunk
 size), ``num_heads`` (KV heads in the ``H*D`` axis; default: the bank's), ``position``
 (``search``|``zero``), ``max_workers``, ``pad_to_estimate`` and ``size_factor`` (below).

@@ -6,14 +6,16 @@ SGLang loads it as the ``dynamic`` backend::
     python -m sglang.launch_server ... --enable-hierarchical-cache --hicache-storage-backend dynamic \\
       --hicache-storage-backend-extra-config '{"backend_name": "kvz",
         "module_path": "kvz.integrations.sglang", "class_name": "KvzHiCacheStorage",
-        "kvz_url": "redis://10.0.0.5:6379/0", "kvz_eps": 0.0267, "kvz_bank": "gemma-3-270m",
+        "kvz_url": "redis://10.0.0.5:6379/0", "kvz_target_kl": "fp8", "kvz_bank": "gemma-3-270m",
         "kvz_metadata_from": "/path/cache.safetensors", "interface_v1": 1}'
 
-``kvz_url``: ``redis://...`` or a directory (``file://`` optional); ``kvz_max_size_gb``: a byte budget
-(LRU); ``kvz_lossless``: bit-exact pages; ``kvz_profile``: ``default``, ``balanced`` or ``fast``
-(a faster page-in at more bits); ``kvz_metadata`` (JSON model fields) or
-``kvz_metadata_from`` (a kvz-cache file) give the model's RoPE; ``kvz_position``: ``search`` (default)
-or ``zero`` for callers without a position.
+``kvz_url``: ``redis://...`` or a directory (``file://`` optional); ``kvz_max_size_gb``: a byte
+budget (LRU); ``kvz_target_kl``: a mean next-token KL or ``fp8`` (the default: FP8 e4m3's KL, in the
+attention scope from the bank's statistics; the codec logs the scope it chose), or ``kvz_eps`` for
+the tensor scope at that eps (docs/engine-scope.md); ``kvz_lossless``: bit-exact pages;
+``kvz_profile``: ``default``, ``balanced`` or ``fast`` (a faster page-in at more bits);
+``kvz_metadata`` (JSON model fields) or ``kvz_metadata_from`` (a kvz-cache file) give the model's
+RoPE; ``kvz_position``: ``search`` (default) or ``zero`` for callers without a position.
 
 A page (``2 * layers * page_size * heads * head_dim`` values, in any of the host pool's layouts
 ``layer_first``, ``page_first``, ``page_first_direct``, ``page_head``) is stored as one ``.kvz``

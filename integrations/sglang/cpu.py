@@ -114,10 +114,14 @@ def storage_config(extra: dict, model: str = "gemma-3-270m"):
                                 model_name=model, extra_config=extra)
 
 
-def hicache_extra(url: str, metadata_from: str, *, eps: float = 0.0267, bank: str = "gemma-3-270m", **kw) -> dict:
+def hicache_extra(url: str, metadata_from: str, *, eps: float | None = None, bank: str = "gemma-3-270m",
+                  **kw) -> dict:
     """The HiCache extra config of kvz's backend (``dynamic``, interface v1) storing at ``url``, with
-    the model metadata of the cache file ``metadata_from``; ``kw``: more ``kvz_*`` keys."""
+    the model metadata of the cache file ``metadata_from``; ``eps``: the tensor scope at that eps (None:
+    the codec's default, FP8's KL in the attention scope); ``kw``: more ``kvz_*`` keys."""
     d = {"backend_name": "kvz", "module_path": "kvz.integrations.sglang", "class_name": "KvzHiCacheStorage",
-         "kvz_url": url, "kvz_eps": eps, "kvz_bank": bank, "kvz_metadata_from": metadata_from, "interface_v1": 1}
+         "kvz_url": url, "kvz_bank": bank, "kvz_metadata_from": metadata_from, "interface_v1": 1}
+    if eps is not None:
+        d["kvz_eps"] = eps
     d.update(kw)
     return d

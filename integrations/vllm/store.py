@@ -76,12 +76,18 @@ class BlockStore:
     """Encode / look up / decode runs of KV blocks (see the module docstring).
 
     ``layer_types``: one per layer; ``rope_theta``: per-layer RoPE bases (keys are stored roped);
-    ``shape``: ``(layers, kv_heads, head_dim)``; ``dtype``: the engine's KV dtype name."""
+    ``shape``: ``(layers, kv_heads, head_dim)``; ``dtype``: the engine's KV dtype name.
+    The error budget (:attr:`budget`, :class:`~kvz.integrations.scope.StoreBudget`): ``eps`` given
+    (or ``lossless``) keeps the tensor scope at that eps, as before; otherwise ``target_kl`` (a mean
+    next-token KL or ``"fp8"``, the default) in the attention scope from the bank's statistics
+    (docs/engine-scope.md); ``any_prefix=False`` codes the positions a sliding-window layer never
+    attends again after a run's end coarse (for prompts only ever continued after their end)."""
 
     def __init__(self, backend, *, model_id: str, block_size: int, layer_types, rope_theta, shape, dtype: str,
-                 eps: float = DEFAULT_EPS, lossless: bool = False, bank=None, threads: int | None = None,
-                 profile: str = "default"):
+                 eps: float | None = None, lossless: bool = False, bank=None, threads: int | None = None,
+                 profile: str = "default", target_kl=None, any_prefix: bool = True):
         from alignpred import CodecConfig, DecoderSession
+        from kvz.integrations.scope import StoreBudget
 
         self.backend = backend
         self.model_id = str(model_id)
@@ -90,7 +96,6 @@ class BlockStore:
         self.rope_theta = [float(t) for t in rope_theta]
         self.shape = tuple(int(x) for x in shape)
         self.dtype = str(dtype)
-        self.eps = float(eps)
         self.lossless = bool(lossless)
         self.config = CodecConfig()
         self.bank = None
@@ -98,6 +103,17 @@ class BlockStore:
             from alignpred import resolve_bank
 
             self.bank = resolve_bank(bank)
+        # the budget (kvz.integrations.scope): eps given, or lossless (the coarse tier), keeps the tensor
+        # scope; otherwise target_kl (default FP8's KL) in the attention scope from the bank's statistics
+        if lossless and eps is None and target_kl is None:
+            eps = DEFAULT_EPS
+        self.budget = StoreBudget.choose(self.bank, eps=eps, target_kl=target_kl, fallback_eps=DEFAULT_EPS,
+                                         any_prefix=any_prefix)
+        self.eps = self.budget.eps
+        self.scope = self.budget.scope
+        import logging
+
+        logging.getLogger("kvz.vllm").info("kvz store: %s", self.budget.describe())
         self.threads = threads
         self.profile = str(profile)
         self.session = DecoderSession(banks=[self.bank] if self.bank is not None else ())
@@ -108,6 +124,8 @@ class BlockStore:
                         # saving in another profile (``auto`` picks per machine) must find the same runs
                         "bank": self.bank.id if self.bank is not None else None,
                         "eps": self.eps, "lossless": self.lossless}
+        if self.scope != "tensor":  # an eps-only store keeps the keys it always had
+            self.binding.update(self.budget.binding())
         self._bind = hashlib.sha256(json.dumps(self.binding, sort_keys=True, separators=(",", ":")).encode()).digest()
         self._lock = threading.Lock()
         self.runs: list[dict] = []  # what this object stored: key, first block, blocks, bytes
@@ -273,8 +291,9 @@ class BlockStore:
         kv = [tuple(torch.randn(H, self.block_size, d, generator=g).to(dt) for _ in range(2)) for _ in range(L)]
         meta = {"layer_types": self.layer_types, "keys_roped": True, "rope_theta": self.rope_theta}
         for name in dict.fromkeys((self.profile, "default", "fast")):
-            blob = compress_bytes(Cache.from_arrays(kv, meta), eps=self.eps, bank=self.bank, config=self.config,
-                                  lossless=self.lossless, threads=self.threads, profile=name)
+            blob = compress_bytes(Cache.from_arrays(kv, meta), bank=self.bank, config=self.config,
+                                  lossless=self.lossless, threads=self.threads, profile=name,
+                                  **self.budget.compress_kwargs())
             KvzReader(memoryview(blob), bank=self.bank, session=self.session, threads=self.threads).read()
         return time.perf_counter() - t0
 
@@ -296,8 +315,8 @@ class BlockStore:
                     "rope_theta": self.rope_theta, "rope_pairing": "half",
                     "position_offset": int(first_block * bs), BLOCKS_META: json.dumps(digests)}
             cache = Cache.from_arrays(kv, meta)
-            blob = compress_bytes(cache, eps=self.eps, bank=self.bank, config=self.config,
-                                  lossless=self.lossless, threads=self.threads, profile=self.profile)
+            blob = compress_bytes(cache, bank=self.bank, config=self.config, lossless=self.lossless,
+                                  threads=self.threads, profile=self.profile, **self.budget.compress_kwargs())
             rk = self.run_key(hashes[-1])
             if not self.backend.put(rk, blob, meta={"start": int(first_block * bs), "blocks": n},
                                     importance=float(n * bs)):
