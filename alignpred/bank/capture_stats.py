@@ -15,7 +15,7 @@ moments averaged weighted by tokens; the relative attention mass of the first ``
 averaged over captures, and the quantiles of the later positions' relative mass pooled over
 captures; the value Gram's eigenvalues, diagonal and the key / value weights in the bank's coding
 frame (``diag(Rᵀ W R)`` with the block's GPA rotation). It is the same fit as
-``benchmarks/attention_gain.py --fit`` (which wrote the bundled bank's sidecar) given the same
+``benchmarks/studies/rate/attention_gain.py --fit`` (which wrote the bundled bank's sidecar) given the same
 prefills.
 
 The file is JSON with base64 little-endian float32 arrays, like the bank's sidecar; the Gram is

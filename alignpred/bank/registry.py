@@ -328,7 +328,7 @@ def loaded_from(bank_id: str) -> list[str]:
 def sensitivity(bank_id: str, model: str = "") -> dict | None:
     """The downstream-sensitivity record of a bank (``<stem>.sensitivity.json`` beside a bank file
     loaded by path, or beside a registered bank; matched by ``bank_id``; written by ``kvz calibrate
-    --model`` and ``benchmarks/sensitivity.py``): per-tensor weights in KL per NRMSE², used by the
+    --model`` and ``benchmarks/studies/rate/sensitivity.py``): per-tensor weights in KL per NRMSE², used by the
     weighted scope and ``target_kl``. None if there is none."""
     from alignpred.io import read_json
 

@@ -140,7 +140,7 @@ class ErrorBudget:
             if rec is None:
                 raise KvzError("the weighted scope and target_kl need tensor weights: pass weights={tensor: w}, or "
                                "measure them for this bank with `kvz calibrate --sensitivity` or "
-                               f"benchmarks/sensitivity.py (no record for bank {bank.id[:19]}…)")
+                               f"benchmarks/studies/rate/sensitivity.py (no record for bank {bank.id[:19]}…)")
             weights, src = rec["tensor_weights"], "bank sensitivity record"
         missing = [n for n in names if n not in weights]
         if missing:

@@ -5,17 +5,17 @@ A profile is a choice of entropy coder and predictors, applied on top of a
 search does not change), so they differ only in bits and decode time. The file records the coder
 and the config as always, so a reader needs nothing else: a profile never appears in a header.
 
-==========  =================  ============  =============  ==========================================
-profile     entropy coder      linear maps   bits/value     one-core decode, M values/s (x SZ3)
-==========  =================  ============  =============  ==========================================
-default     ``rans4``          yes           3.837          75.9 (0.45x) Zen 4; 108.5 (0.84x) Xeon+AMX
-balanced    ``lanes32`` (1.2)  yes           3.886 (+0.05)  95.1 (0.57x) Zen 4; 159.7 (1.24x) Xeon+AMX
-fast        ``lanes32`` (1.2)  no            4.623 (+0.79)  338.5 (2.02x) Zen 4; 357.5 (2.78x) Xeon+AMX
-==========  =================  ============  =============  ==========================================
+==========  =================  ============
+profile     entropy coder      linear maps
+==========  =================  ============
+default     ``rans4``          yes
+balanced    ``lanes32`` (1.2)  yes
+fast        ``lanes32`` (1.2)  no
+==========  =================  ============
 
-Measured by ``python -m kvz.benchmarks.speed`` (``benchmarks/results/speed.md``, an AMD EPYC with
-AVX-512 VNNI and no AMX; ``speed-xeon-amx.md``, an Intel Xeon whose AMX tiles
-run the map products): Gemma 3 270M, 8 held-out 2,048-token caches, eps 0.0267, tensor scope.
+What each costs in bits and buys in decode speed, per CPU, is measured by ``python -m
+kvz.benchmarks.speed`` into ``benchmarks/results/speed.md`` (and ``speed-xeon-amx.md``); the table
+with its figures is ``docs/measured.md`` (section *Speed profiles*): the figures live there, not here.
 The maps' exact products dominate ``default`` and ``balanced`` where there is no AMX.
 
 ``lanes32`` (format 1.2) decodes 32 lanes in lock-step with SIMD gathers; its 12-bit tables and

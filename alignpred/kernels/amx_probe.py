@@ -1,6 +1,6 @@
 """A timing probe of the AMX map kernel (:mod:`~alignpred.kernels.intmap_amx`): its tile loop
 timed whole and with parts taken out, on the decoder's shape, to show where its time goes
-(``python -m kvz.benchmarks.amx_mix`` reports it).
+(``python -m benchmarks.studies.speed.amx_mix`` reports it).
 
 * ``kernel``: :func:`~alignpred.kernels.intmap_amx._products` itself (tile products, stores, the
   float64 epilogue);

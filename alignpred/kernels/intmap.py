@@ -25,7 +25,7 @@ moves those channels' dynamic range out of the per-row ``x`` scale.  On the Gemm
 samples (210 map objects) the integer rounding noise is, relative to the quantisation noise
 ``Delta/sqrt(12)`` at eps = 0.0267: median 2.1 %, max 3.8 % (without the equalisation: 4.1 %,
 11 %; a numpy study with one x scale per call instead of per row gave ~3x more); float32 BLAS
-is at 1e-5.  See ``benchmarks/kernels_bench.py``.
+is at 1e-5.  See ``benchmarks/studies/speed/kernels_bench.py``.
 
 **Overflow (proof).**  ``BX = 14``, ``BW = 13``: one product is at most
 ``XQ_MAX * WQ_MAX = 8191 * 4095 = 33,542,145``.  Every partial sum of products, in any order,

@@ -23,7 +23,7 @@ in one call when chunking would change its frequencies.
 
 Supported: decoders with a model-level ``rotary_emb`` whose attention calls
 ``apply_rotary_pos_emb`` — tested on tiny Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and
-Gemma 3 models (``tests/test_families.py``) and on the real Gemma 3 270M.
+Gemma 3 models (``tests/codec/test_families.py``) and on the real Gemma 3 270M.
 
 :func:`load_model` loads a Hugging Face model directory or a GGUF file (float32, CPU, offline).
 torch / transformers are imported lazily.

@@ -1,6 +1,6 @@
 """Measure a bank's downstream-sensitivity record: how much each tensor's K/V error costs in next-token KL.
 
-The library form of ``benchmarks/sensitivity.py`` (codec error model, no checks beyond additivity): on
+The library form of ``benchmarks/studies/rate/sensitivity.py`` (codec error model, no checks beyond additivity): on
 calibration windows, ``context`` tokens are prefilled and their float32 K/V recorded; the cache is compressed
 once at ``eps`` in tensor scope with the bank and restored, and tensor t gets exactly its reconstruction
 error ``restored_t - bf16_t`` (added to the float32 K/V, everything else exact). The next ``score_tokens``

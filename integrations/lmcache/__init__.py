@@ -1,7 +1,7 @@
 """kvz inside LMCache: a compressed local-disk tier (storage plugin), a remote connector over the
 kvz chunk store's backends (directory, Redis), and an L2 serde (``"type": "kvz"``).
 
-Configured with LMCache's own keys (see ``integrations/lmcache/README.md``)::
+Configured with LMCache's own keys (see ``docs/lmcache.md``)::
 
     storage_plugin.kvz.module_path: kvz.integrations.lmcache      class_name: KvzStoragePlugin
     remote_storage_plugin.kvzr.module_path: kvz.integrations.lmcache   class_name: KvzRemoteConnector

@@ -1,7 +1,7 @@
 """Scheduling model of draft/verify serving (VeriCache, long-context decoding on one GPU): the
 seed's throughput model (Eq. 3) and an iteration-level simulation of ``B`` concurrent requests
 with bandwidth-ring and HBM-ring admission, staggered versus lock-step verification, fed with
-measured acceptance (``benchmarks/verify.py``).
+measured acceptance (``benchmarks/studies/serving/verify.py``).
 
 The machine: ``M`` bytes of weights in HBM of ``hbm_bytes`` at ``bw_hbm`` bytes/s, and a serial
 host->GPU link (PCIe) at ``bw_link`` bytes/s. A request holds its compressed cache

@@ -1,7 +1,7 @@
 """kvz inside SGLang HiCache: a ``HiCacheStorage`` backend (directory or Redis, via the kvz chunk
 store's backends) for the four MHA host-pool page layouts, loaded as SGLang's ``dynamic`` backend
 (``module_path: kvz.integrations.sglang``, ``class_name: KvzHiCacheStorage``). See
-``integrations/sglang/README.md``. :mod:`.cpu` builds SGLang's classes without CUDA (a torchvision
+``docs/sglang.md``. :mod:`.cpu` builds SGLang's classes without CUDA (a torchvision
 stand-in, a CPU host pool: the engines benchmark and the tests use it). Names are imported lazily
 (``import kvz.integrations.sglang`` does not import SGLang)."""
 from __future__ import annotations

@@ -86,3 +86,38 @@ def test_study_commands_in_the_docs_name_modules_that_exist():
             if not (os.path.exists(path + ".py") or os.path.exists(os.path.join(path, "__init__.py"))):
                 bad.append(f"{doc}: {mod}")
     assert not bad, "\n".join(bad)
+
+
+# the folders of the repository a docstring may name files in
+_TOP = ("alignpred", "cli", "integrations", "benchmarks", "tests", "format_spec", "docs", "samples", "kvz", ".ci")
+# pages named before they are committed (remove an entry when its page lands)
+_PENDING = {"docs/engine-scope.md"}
+
+
+def _named_files(text: str):
+    """Repository paths of ``.py`` / ``.md`` / ``.c`` / ``.sh`` files a text names (globs, templates and
+    the generated ``benchmarks/results/`` left out)."""
+    pat = r"(?<![\w./-])((?:" + "|".join(re.escape(t) for t in _TOP) + r")/[\w./-]*\.(?:py|md|c|sh))\b"
+    for m in re.findall(pat, text):
+        if not m.startswith("benchmarks/results/"):
+            yield m
+
+
+def test_docstrings_name_no_file_that_does_not_exist():
+    """Issue 41, item 6: every repository file a docstring of the library, the CLI, the integrations or the
+    benchmarks (studies included) names exists."""
+    import ast
+
+    bad = []
+    for folder in ("alignpred", "cli", "integrations", "benchmarks", "kvz"):
+        for here, dirs, files in os.walk(os.path.join(ROOT, folder)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in (f for f in files if f.endswith(".py")):
+                path = os.path.join(here, f)
+                tree = ast.parse(open(path, encoding="utf-8").read())
+                for node in ast.walk(tree):
+                    if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        for name in _named_files(ast.get_docstring(node, clean=False) or ""):
+                            if not os.path.exists(os.path.join(ROOT, name)) and name not in _PENDING:
+                                bad.append(f"{os.path.relpath(path, ROOT)}:{getattr(node, 'lineno', 1)}: {name}")
+    assert not bad, "\n".join(bad)
