@@ -4,7 +4,10 @@ processes — a *writer* that computes and stores the prefix, then a *reader* wh
 prefix and another question.
 
 Stores: ``recompute`` (no connector), ``example`` (vLLM's ``ExampleConnector``: raw safetensors per
-layer), ``kvz`` (lossy, eps 0.02) and ``kvz-lossless``. Per store and prompt: TTFT of the reader
+layer), ``kvz`` (lossy, eps 0.02), ``kvz-lossless`` (each in a directory), and ``kvz-cluster`` /
+``kvz-lossless-cluster``: the same on a Redis Cluster (3 masters, a replica each, started for the
+run from ``redis-server``), so writer and reader are two engines on one cluster (issue 38); the
+default stores are ``recompute,kvz,example,kvz-lossless,kvz-cluster``. Per store and prompt: TTFT of the reader
 (vLLM's ``first_token_latency``), cached tokens, stored bytes (what the writer stored for the
 prompt) against the raw bf16 bytes of the same tokens, identical greedy tokens and the mean KL of
 the first steps' top-20 logprobs against recompute; for kvz the TTFT split (decode, copy into the
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,96 +35,41 @@ from pathlib import Path
 
 from kvz.integrations.vllm import mean_kl  # noqa: F401 - also this module's name for it (tests, vllm_ttft)
 
-BS = 128
-QUESTION = 48
-SIZES = (1024, 2048, 4096, 8192)
-STORES = ("recompute", "kvz", "example", "kvz-lossless")
-LOGPROBS = 20
+from .harness.vllm_engines import (  # noqa: F401 - this module's names for them too (vllm_hit)
+    BS,
+    LOGPROBS,
+    QUESTION,
+    SIZES,
+    SYSTEM,
+    build_prompts,
+    redis_cluster,
+    resolve_model,
+    store_cfg,
+)
+from .harness.vllm_engines import engine as _run_engine
+from .harness.vllm_engines import texts as _texts  # noqa: F401
+
+STORES = ("recompute", "kvz", "example", "kvz-lossless", "kvz-cluster")
 RESUME = False
-SYSTEM = ("You are a careful assistant. Answer questions about the documents below; quote them where you can, "
-          "say when they do not contain the answer, and keep answers short.")
-
-
-def _texts() -> list[str]:
-    here = Path(__file__).resolve().parent
-    d = here.parent / "samples" / "gemma3-270m" / "calib_texts"
-    out = [p.read_text(encoding="utf-8", errors="replace") for p in sorted(d.glob("*.txt"))] if d.is_dir() else []
-    return out
-
-
-def build_prompts(model_dir: str, sizes, seed: int = 0):
-    """``{size: (writer_ids, reader_ids, shared)}``: BOS + system prompt (tagged with the size so no
-    two sizes share a block) + documents up to ``size - QUESTION`` tokens, then a question of
-    ``QUESTION`` tokens (different for writer and reader)."""
-    import random
-
-    rng = random.Random(seed)
-    docs: list[int] = []
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        for t in _texts():
-            docs += tok.encode("\n\nDocument:\n" + t, add_special_tokens=False)
-        enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    except Exception:  # noqa: BLE001 - no tokenizer/texts: synthetic ids
-        enc = None
-    if len(docs) < 1000:
-        docs = [rng.randrange(1000, 30000) for _ in range(max(SIZES))]
-    out = {}
-    for n in sizes:
-        head = [2] + (enc(f"[session {n}] " + SYSTEM) if enc else [rng.randrange(1000, 30000) for _ in range(40)])
-        body_n = n - QUESTION - len(head)
-        body = (docs * (body_n // len(docs) + 1))[:body_n]
-        shared = head + body
-        # the questions: real text too (a passage from elsewhere in the documents), so greedy decoding
-        # is not decided by near-ties
-        o = (body_n + 7919 * (n // BS)) % max(1, len(docs) - 2 * QUESTION)
-        qw, qr = docs[o:o + QUESTION], docs[o + QUESTION:o + 2 * QUESTION]
-        out[n] = (shared + qw, shared + qr, len(shared))
-    return out
-
-
-def resolve_model(model: str | None) -> str:
-    """``model``, or (None) the bundled Gemma 3 270M converted once into ``~/.cache/kvz/gemma3-hf``."""
-    if model:
-        return str(model)
-    from kvz.integrations.vllm import convert_model
-
-    return str(convert_model(Path("~/.cache/kvz/gemma3-hf").expanduser()))
-
-
-def _store_cfg(store: str, root: Path):
-    if store == "recompute":
-        return None
-    if store == "example":
-        return {"kind": "example", "path": str(root / "example")}
-    return {"store": str(root / store), "lossless": store == "kvz-lossless", "eps": 0.02, "threads": 1}
+_store_cfg = store_cfg
 
 
 def _engine(spec: dict, root: Path, name: str, timeout: int = 3600, core: int | None = None,
             resume: bool | None = None) -> dict:
-    sp = root / f"{name}.spec.json"
-    out = root / f"{name}.out.json"
-    if (RESUME if resume is None else resume) and out.exists() and sp.exists() and json.loads(sp.read_text()) == spec:
-        return json.loads(out.read_text())  # --resume: this engine already ran with this spec
-    sp.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    if core is not None:  # one thread per engine (the same thread count for every store), spread over the cores
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    with open(root / f"{name}.log", "w") as log:
-        rc = subprocess.call([sys.executable, "-m", "kvz.integrations.vllm.harness", str(sp), str(out)],
-                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(root), timeout=timeout)
-    if rc != 0 or not out.exists():
-        tail = (root / f"{name}.log").read_text()[-3000:]
-        raise RuntimeError(f"engine {name} failed (rc {rc}):\n{tail}")
-    return json.loads(out.read_text())
+    """One engine process (:func:`kvz.benchmarks.harness.vllm_engines.engine`); ``resume`` defaults to
+    ``--resume``."""
+    return _run_engine(spec, root, name, timeout=timeout, core=core, resume=RESUME if resume is None else resume)
 
 
 def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None = None, log=print,
         partial=None) -> list[dict]:
+    """Rows, one per store and size (``--json``); a ``*-cluster`` store runs on a cluster started for
+    the run and stopped after it."""
+    with redis_cluster(stores) as cluster_url:
+        return _run(sizes, stores, model_dir, max_tokens, workdir, log, partial, cluster_url)
+
+
+def _run(sizes, stores, model_dir, max_tokens, workdir, log, partial, cluster_url) -> list[dict]:
     root = Path(workdir or tempfile.mkdtemp(prefix="kvz-vllm-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     prompts = build_prompts(model_dir, sizes)
@@ -142,7 +89,7 @@ def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None 
     with ThreadPoolExecutor(len(stores)) as ex:
         futs = {}
         for store in stores:
-            cfg = _store_cfg(store, root)
+            cfg = _store_cfg(store, root, cluster_url)
             if store == "recompute":
                 futs[store] = ex.submit(_engine, {**base, "prompts": readers, "store": None, "ttft_probe": True},
                                         root, "recompute", core=cores[len(futs) % len(cores)])
@@ -157,7 +104,7 @@ def run(sizes, stores, model_dir: str, max_tokens: int = 8, workdir: str | None 
         for store in stores:
             if store == "recompute":
                 continue
-            cfg = _store_cfg(store, root)
+            cfg = _store_cfg(store, root, cluster_url)
             if isinstance(cfg, dict) and cfg.get("kind") != "example":
                 cfg = {**cfg, "read_only": True}
             futs[store] = ex.submit(_engine, {**base, "prompts": readers, "store": cfg, "ttft_probe": True},

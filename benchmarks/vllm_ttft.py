@@ -82,9 +82,21 @@ def run(sizes, stores, model_dir: str, *, rounds: int = 3, max_tokens: int = 8, 
     no-connector engine's rounds (``recompute_rounds``, default ``rounds``), the kvz engines' writers
     (a cold prefill with the connector on; its store encodes after the step) and the cold rounds.
     ExampleConnector's writer is left out (it writes its files inside the forward)."""
+    from .harness.vllm_engines import redis_cluster
+
+    with redis_cluster(stores) as cluster_url:  # a ``*-cluster`` store: a cluster for the run
+        return _run(sizes, stores, model_dir, rounds, max_tokens, topk, workdir, cold, recompute_rounds, resume,
+                    log, cluster_url)
+
+
+def _run(sizes, stores, model_dir, rounds, max_tokens, topk, workdir, cold, recompute_rounds, resume, log,
+         cluster_url) -> list[dict]:
     import tempfile
 
-    from . import vllm_reuse as vr
+    from kvz.integrations.vllm import mean_kl
+
+    from .harness import vllm_engines as vr
+    from .harness.vllm_engines import store_cfg
 
     root = Path(workdir or tempfile.mkdtemp(prefix="kvz-vllm-ttft-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -101,9 +113,9 @@ def run(sizes, stores, model_dir: str, *, rounds: int = 3, max_tokens: int = 8, 
         outs, labels = {}, {}
         for store in stores:
             ps, labels[store] = plan(store, writer, reader, rounds, cold, recompute_rounds)
-            cfg = vr._store_cfg(store, root / f"n{n}")
+            cfg = store_cfg(store, root / f"n{n}", cluster_url)
             t0 = time.perf_counter()
-            outs[store] = vr._engine({**base, "prompts": ps, "store": cfg}, root, f"{store}-{n}", resume=resume)
+            outs[store] = vr.engine({**base, "prompts": ps, "store": cfg}, root, f"{store}-{n}", resume=resume)
             log(f"  {store} @ {n}: {time.perf_counter() - t0:.0f} s")
         rec = outs["recompute"]["results"] if "recompute" in outs else []
         first = next((s for s in stores if s.startswith("kvz")), stores[0])
@@ -118,7 +130,7 @@ def run(sizes, stores, model_dir: str, *, rounds: int = 3, max_tokens: int = 8, 
             res = outs[store]["results"]
             lab = labels[store]
             hits = [x for x, k in zip(res, lab) if k == "hit"]
-            cold = [x for x, k in zip(res, lab) if k == "cold"]
+            colds = [x for x, k in zip(res, lab) if k == "cold"]  # (not ``cold``: the option, for the next size)
             w = res[0] if lab[0] == "writer" else None
             wd = w["delta"] if w else {}
             stored_tokens = (sum(x["blocks"] for x in wd.get("runs", [])) * vr.BS if store.startswith("kvz") else
@@ -133,10 +145,10 @@ def run(sizes, stores, model_dir: str, *, rounds: int = 3, max_tokens: int = 8, 
                    "recompute_noconnector_s": [round(x["ttft_s"], 4) for x in rec],
                    "stored_bytes": int(wd.get("stored_bytes", 0)), "stored_tokens": stored_tokens,
                    "raw_bytes": stored_tokens * L * 2 * H * d * 2, "rounds": rounds, "topk": topk,
-                   "kl_topk": None if store == "recompute" else vr.mean_kl(ref["logprobs"], hits[-1]["logprobs"]),
+                   "kl_topk": None if store == "recompute" else mean_kl(ref["logprobs"], hits[-1]["logprobs"]),
                    "ref_topk_mass": round(_mass(ref["logprobs"]) or 0.0, 6)}
-            if cold:
-                row["cold_rounds_s"] = [round(x["ttft_s"], 4) for x in cold]
+            if colds:
+                row["cold_rounds_s"] = [round(x["ttft_s"], 4) for x in colds]
                 row["cold_ttft_s"] = _median(row["cold_rounds_s"])
             if w:
                 row["writer_ttft_s"] = round(w["ttft_s"], 4)

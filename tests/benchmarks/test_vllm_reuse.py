@@ -58,3 +58,54 @@ def test_transcoded_store_is_what_a_writer_in_that_profile_stores(tmp_path, samp
     k0 = r.read()["layers.3.key"].astype(np.float64)
     ref = kv[3][0].astype(np.float64)
     assert np.sqrt(((k0 - ref) ** 2).sum() / (ref ** 2).sum()) <= 0.0201
+
+
+def test_vllm_benchmarks_share_one_module_not_each_other():
+    """Issue 41: vllm_reuse and vllm_ttft no longer import each other; what both need is in
+    kvz.benchmarks.harness.vllm_engines (vllm_reuse keeps its names for vllm_hit and old callers)."""
+    import ast
+    import inspect
+
+    from kvz.benchmarks import vllm_reuse, vllm_ttft
+    from kvz.benchmarks.harness import vllm_engines
+
+    def imported(mod):
+        names = set()
+        for node in ast.walk(ast.parse(inspect.getsource(mod))):
+            if isinstance(node, ast.ImportFrom):
+                names.add(("." * node.level) + (node.module or ""))
+                names.update(("." * node.level) + a.name for a in node.names if not node.module)
+        return names
+
+    assert not any("vllm_reuse" in n for n in imported(vllm_ttft)), imported(vllm_ttft)
+    assert not any("vllm_reuse" in n or "vllm_ttft" in n for n in imported(vllm_engines))
+    assert vllm_reuse.build_prompts is vllm_engines.build_prompts and vllm_reuse.BS == vllm_engines.BS
+    assert "kvz-cluster" in vllm_reuse.STORES
+
+
+def test_store_configs_and_the_cluster_rows(tmp_path):
+    """Directory stores as before; ``*-cluster`` stores on the run's cluster, one namespace per store
+    and run folder; the cluster is started only when a cluster store is asked for."""
+    import pytest
+
+    from kvz.benchmarks.harness.vllm_engines import redis_cluster, store_cfg
+    from kvz.integrations.kvstore import open_url
+    from kvz.integrations.kvstore.server import require_redis
+
+    assert store_cfg("recompute", tmp_path) is None
+    assert store_cfg("example", tmp_path) == {"kind": "example", "path": str(tmp_path / "example")}
+    assert store_cfg("kvz-lossless", tmp_path) == {"store": str(tmp_path / "kvz-lossless"), "lossless": True,
+                                                   "eps": 0.02, "threads": 1}
+    with pytest.raises(ValueError, match="cluster"):
+        store_cfg("kvz-cluster", tmp_path)
+    with redis_cluster(["recompute", "kvz"]) as url:
+        assert url is None
+    require_redis()
+    with redis_cluster(["recompute", "kvz-cluster"]) as url:
+        a = store_cfg("kvz-cluster", tmp_path, url)
+        b = store_cfg("kvz-lossless-cluster", tmp_path, url)
+        assert a["store"] == b["store"] == url and url.startswith("redis+cluster://")
+        assert (a["lossless"], b["lossless"]) == (False, True) and a["namespace"] != b["namespace"]
+        s = open_url(url, namespace=a["namespace"])
+        assert s.put("k", b"v") and s.get("k") == b"v"  # a live cluster
+        s.close()
