@@ -60,19 +60,22 @@ def command_line(module: str, argv=None) -> str:
     return " ".join(["python", "-m", module_name(module.split(".")), *(shlex.quote(str(x)) for x in args)])
 
 
-def run_study(ap: argparse.ArgumentParser, run, markdown, module: str, argv=None, *, json_default=None) -> dict:
-    """What a study's ``main`` does: parse ``argv``, ``result = run(args)`` (``args.command``: the command
-    line), write ``result`` to ``--json`` (``json_default`` when not given) and ``markdown(result)`` next to
-    it as ``.md``, print the Markdown; the result."""
+def run_study(ap: argparse.ArgumentParser, run, markdown, module: str, argv=None, *, json_default=None,
+              args=None, out: str = "json", md: bool = True, indent=None) -> dict:
+    """What a study's ``main`` does: parse ``argv`` (or take ``args``, parsed already), ``result = run(args)``
+    (``args.command``: the command line; ``args.error``: the parser's), write ``result`` to the path in
+    ``args.<out>`` (``json_default`` when not given) and, with ``md``, ``markdown(result)`` next to it as
+    ``.md``; print the Markdown; the result."""
     from .output import write_json, write_text
 
-    args = ap.parse_args(argv)
-    args.command = command_line(module, argv)
+    args = ap.parse_args(argv) if args is None else args
+    args.command, args.error = command_line(module, argv), ap.error
     result = run(args)
-    out = getattr(args, "json", None) or json_default
+    path = getattr(args, out, None) or json_default
     text = markdown(result)
-    if out:
-        write_json(result, out)
-        write_text(os.path.splitext(out)[0] + ".md", text)
+    if path:
+        write_json(result, path, **({} if indent is None else {"indent": indent}))
+        if md:
+            write_text(os.path.splitext(path)[0] + ".md", text)
     print(text)
     return result

@@ -22,8 +22,8 @@ from kvz.benchmarks.harness import (
     parser,
     pin_threads,
     resolve_bank,
+    run_study,
     sample_caches,
-    write_json,
 )
 
 
@@ -36,12 +36,7 @@ def main(argv=None):
     ap.add_argument("--scopes", default="tensor,pooled")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="decode this many times, report the median")
-    a = ap.parse_args(argv)
-    res = run(a)
-    write_json(res, a.out, indent=2)
-    print(f"wrote {a.out}")
-    print(markdown(res))
-    return res
+    return run_study(ap, run, markdown, "studies.rate.acceptance", argv, out="out", md=False, indent=2)
 
 
 def run(a) -> dict:

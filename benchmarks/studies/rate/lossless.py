@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 
-from kvz.benchmarks.harness import RESULTS, command_line, default_caches, parser, write_json
+from kvz.benchmarks.harness import RESULTS, default_caches, parser, run_study
 
 
 def measure(paths, eps_list, bank="gemma-3-270m") -> list[dict]:
@@ -61,13 +61,7 @@ def main(argv=None):
                 json="results JSON", json_default=os.path.join(RESULTS, "lossless.json"))
     ap.add_argument("--eps", default="0.004,0.01,0.0267", help="coarse-tier eps values (comma-separated)")
     ap.add_argument("--bank", default="gemma-3-270m")
-    a = ap.parse_args(argv)
-    a.command = command_line("studies.rate.lossless", argv or None)
-    res = run(a)
-    write_json(res, a.json, indent=2)
-    print(f"wrote {a.json}")
-    print(markdown(res))
-    return res
+    return run_study(ap, run, markdown, "studies.rate.lossless", argv or None, md=False, indent=2)
 
 
 def run(a) -> dict:

@@ -30,13 +30,12 @@ import os
 
 from kvz.benchmarks.harness import (
     RESULTS,
-    command_line,
     default_caches,
     median_time,
     parser,
     pin_threads,
     resolve_bank,
-    write_json,
+    run_study,
 )
 
 
@@ -132,12 +131,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.threads < 1 or a.repeats < 1 or a.chunk < 1:
         ap.error("--threads, --repeats and --chunk must be >= 1")
-    a.error, a.command = ap.error, command_line("studies.speed.loader", argv)
-    res = run(a)
-    write_json(res, a.out, indent=2)
-    print(f"wrote {a.out}")
-    print(markdown(res))
-    return res
+    return run_study(ap, run, markdown, "studies.speed.loader", argv, args=a, out="out", md=False, indent=2)
 
 
 def run(a) -> dict:

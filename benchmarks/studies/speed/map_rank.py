@@ -46,12 +46,10 @@ import time
 
 from kvz.benchmarks.harness import (
     RESULTS,
-    command_line,
     display_path,
     limit_threads,
     parser,
-    write_json,
-    write_text,
+    run_study,
 )
 
 STEP = 16  # the integer kernel pads output columns to a multiple of 16
@@ -298,14 +296,7 @@ def main(argv=None) -> dict:
                          "and their dense twins are timed")
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args(argv)
-    a.error, a.command = ap.error, command_line("studies.speed.map_rank", argv)
-    res = run(a)
-    text = markdown(res)
-    print(text)
-    write_json(res, a.out, indent=1)
-    write_text(os.path.splitext(a.out)[0] + ".md", text)
-    print(f"wrote {a.out}")
-    return res
+    return run_study(ap, run, markdown, "studies.speed.map_rank", argv, args=a, out="out", indent=1)
 
 
 def run(a) -> dict:

@@ -28,13 +28,11 @@ from kvz.benchmarks.harness import (
     CALIB_DIR,
     RESULTS,
     caches_in,
-    command_line,
     display_path,
     eval_caches,
     parser,
+    run_study,
     stem,
-    write_json,
-    write_text,
 )
 
 
@@ -90,14 +88,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--eps", type=float, default=0.0267)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args(argv)
-    a.error, a.command = ap.error, command_line("studies.speed.map_sources", argv)
-    res = run(a)
-    text = markdown(res)
-    print(text)
-    write_json(res, a.out, indent=2)
-    write_text(os.path.splitext(a.out)[0] + ".md", text)
-    print(f"wrote {a.out}")
-    return res
+    return run_study(ap, run, markdown, "studies.speed.map_sources", argv, args=a, out="out", indent=2)
 
 
 def run(a) -> dict:
