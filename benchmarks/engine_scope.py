@@ -15,7 +15,7 @@ no capture statistics of the prompt (an engine saving a prefix has none), agains
 
 Every other option is :mod:`.rate_quality`'s. ``--vllm`` first: :mod:`.vllm_reuse` (its options, in the
 vLLM venv) with two more stores, ``kvz-default`` (the connector given no eps: its default budget) and
-``kvz-stale`` (the same, ``any_prefix: false``)::
+``kvz-stale`` (the same, ``any_prefix: false``); ``--profile NAME`` pins every kvz store's profile::
 
     python -m kvz.benchmarks.engine_scope --vllm --quick --stores kvz,kvz-default,kvz-stale --json OUT.json
 """
@@ -65,8 +65,18 @@ def vllm_main(argv) -> int:
     from . import vllm_reuse
 
     plain = vllm_reuse._store_cfg
+    profile = None
+    if "--profile" in argv:  # every kvz store in this profile (default: the connector's auto choice)
+        i = argv.index("--profile")
+        profile, argv = argv[i + 1], argv[:i] + argv[i + 2:]
 
     def store_cfg(store, root, *args):
+        cfg = _store_cfg(store, root, *args)
+        if profile is not None and isinstance(cfg, dict) and store.startswith("kvz"):
+            cfg["profile"] = profile
+        return cfg
+
+    def _store_cfg(store, root, *args):
         if store not in VLLM_STORES:
             return plain(store, root, *args)
         cfg = {k: v for k, v in plain("kvz", root, *args).items() if k != "eps"}

@@ -87,10 +87,6 @@ def test_vllm_block_store_default_and_eps(tmp_path, real_bank, sample, caplog):
         assert codec["eps_scope"] == name and codec["eps"] == s.eps
         assert codec.get("target_kl") == (FP8_KL if name == "attention" else None)
         assert codec["config"].get("stale_window", 0) == 0  # prefix-safe: no position coded as never read
-        got = r.read()
-        err = sum(float(np.sum((np.asarray(got[k], np.float32) - np.asarray(sample.tensors[k], np.float32)[:, :128])
-                                ** 2)) for k in got)
-        assert err > 0
         sizes[name] = n
     n_hit, segs = st.lookup(ids, 2)
     assert n_hit == 2 and segs
