@@ -54,3 +54,18 @@ def test_the_studies_are_not_installed_and_each_has_its_entry_points():
             if not {"run", "markdown", "main"} <= defs:
                 missing.append(f"{q}/{name}: {sorted({'run', 'markdown', 'main'} - defs)}")
     assert not missing, "\n".join(missing)
+
+
+def test_installed_benchmark_files_are_short():
+    """Issue 41: no file of the installed benchmarks (``kvz.benchmarks``, the studies left out) over 500 lines."""
+    cfg = _config()
+    long = []
+    for pkg in cfg["packages"]:
+        if pkg == "kvz.benchmarks" or pkg.startswith("kvz.benchmarks."):
+            folder = os.path.join(ROOT, "benchmarks", *pkg.split(".")[2:])
+            for f in sorted(os.listdir(folder)):
+                if f.endswith(".py"):
+                    n = len(open(os.path.join(folder, f), encoding="utf-8").read().splitlines())
+                    if n > 500:
+                        long.append(f"{pkg}/{f}: {n} lines")
+    assert not long, "\n".join(long)
