@@ -112,9 +112,13 @@ def redis_cluster(stores):
 def engine(spec: dict, root: Path, name: str, timeout: int = 3600, core: int | None = None,
            resume: bool = False) -> dict:
     """Run one engine process on ``spec`` (its output JSON); ``resume``: reuse the output of a run
-    with the same spec already in ``root``."""
+    with the same spec already in ``root`` (not for a ``*-cluster`` store: its cluster lives for one
+    run, so its writer runs again and its reader reads what that writer stored)."""
     sp = root / f"{name}.spec.json"
     out = root / f"{name}.out.json"
+    store = spec.get("store")
+    if isinstance(store, dict) and str(store.get("store", "")).startswith(("redis+cluster:", "rediss+cluster:")):
+        resume = False
     if resume and out.exists() and sp.exists() and json.loads(sp.read_text()) == spec:
         return json.loads(out.read_text())
     sp.write_text(json.dumps(spec))

@@ -40,6 +40,11 @@ L, H, D = 18, 1, 256
 @pytest.fixture(scope="session")
 def sample():
     """(token ids, per-layer torch KV [2, T, H, D] bf16) of a real Gemma 3 270M cache."""
+    return load_sample()
+
+
+def load_sample():
+    """What the ``sample`` fixture gives (also for the test's own worker processes)."""
     import json
 
     import torch
