@@ -41,9 +41,10 @@ def real_objects(caches, log=print):
     return objs
 
 
-def time_decoders(objs, decoders: dict, rounds: int) -> dict:
+def time_decoders(objs, decoders: dict, rounds: int, *, warm_each: bool = False) -> dict:
     """ns/symbol of each decoder: the sum over objects of the per-object minimum (and median) over
-    ``rounds`` calls, the decoders interleaved call by call."""
+    ``rounds`` calls, the decoders interleaved call by call; ``warm_each``: every timed call right after
+    an untimed one of the same decoder (its tables warm), else one untimed call per object first."""
     n = sum(q.size for q, _ in objs)
     acc = {k: [0.0, 0.0] for k in decoders}
     for q, ids in objs:
@@ -53,6 +54,8 @@ def time_decoders(objs, decoders: dict, rounds: int) -> dict:
             fn(q, ids, out)   # warm (compiles on the first object)
         for _ in range(rounds):
             for name, fn in decoders.items():
+                if warm_each:
+                    fn(q, ids, out)
                 t = time.perf_counter()
                 fn(q, ids, out)
                 ts[name].append(time.perf_counter() - t)

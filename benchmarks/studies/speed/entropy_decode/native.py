@@ -35,6 +35,7 @@ from kvz.benchmarks.harness import (
 )
 from kvz.benchmarks.harness.native import CFLAGS, NATIVE, NativeUnavailable
 from kvz.benchmarks.harness.native import build as build_native
+from kvz.benchmarks.speed.entropy_stage import time_decoders
 
 SOURCE = os.path.join(NATIVE, "lanes32_avx2.c")
 BUILDS = {"native": (), "avx2-only": ("-mno-avx512f",)}
@@ -201,30 +202,13 @@ class Native:
 
 
 def time_warm(objs, decoders: dict, rounds: int) -> dict:
-    """ns/symbol of each decoder like ``entropy_lanes.time_decoders`` (decoders interleaved, per-object
+    """ns/symbol of each decoder like :func:`kvz.benchmarks.speed.entropy_stage.time_decoders` (decoders interleaved, per-object
     minimum and median over rounds, summed), but every timed call directly follows an untimed call
     of the same decoder on the same object: each decoder has its own tables and words warm in the
     caches, as when it decodes the objects of one tensor in a row (call-by-call interleaving alone
     makes every decoder fetch its tables again, which at 12 bits -- 16 KiB per model, 3.75 MiB for
     the set -- measured the caches, not the decoders)."""
-    import time
-
-    n = sum(q.size for q, _ in objs)
-    acc = {k: [0.0, 0.0] for k in decoders}
-    for q, ids in objs:
-        out = q.copy()
-        ts = {k: [] for k in decoders}
-        for _ in range(rounds):
-            for name, fn in decoders.items():
-                fn(q, ids, out)
-                t = time.perf_counter()
-                fn(q, ids, out)
-                ts[name].append(time.perf_counter() - t)
-        for name, v in ts.items():
-            v.sort()
-            acc[name][0] += v[0]
-            acc[name][1] += v[len(v) // 2]
-    return {k: {"ns_per_symbol_min": 1e9 * v[0] / n, "ns_per_symbol_median": 1e9 * v[1] / n} for k, v in acc.items()}
+    return time_decoders(objs, decoders, rounds, warm_each=True)
 
 
 def compare(objs, natives: dict) -> dict:
