@@ -33,7 +33,7 @@ FALLBACK_EPS = 0.0267  # a bank without attention statistics nor sensitivity rec
 
 def parse_target_kl(value) -> float:
     """A KL target from configuration: a positive number, or ``"fp8"`` (FP8 e4m3's KL)."""
-    from alignpred.codec.budget import named_kl
+    from alignpred.codec import named_kl
 
     return named_kl(value)
 
@@ -156,6 +156,6 @@ def _engine_stats(bank, any_prefix: bool = True):
 
 
 def _has_sensitivity(bank) -> bool:
-    from alignpred.bank.registry import sensitivity
+    from alignpred.bank import sensitivity
 
     return sensitivity(bank.id, bank.model) is not None
