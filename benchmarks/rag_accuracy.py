@@ -73,8 +73,11 @@ def method_list(settings: str, lossless: str, boundaries: str, kvboost: bool) ->
         return {"repair": s["repair"], "R": s["R"], "blend_ratio": s["blend_ratio"], "threshold": s["threshold"],
                 "max_frac": s["max_frac"]}
 
+    from kvz.integrations.chunkstore import DEFAULT_MAX_FRAC, DEFAULT_R, DEFAULT_REPAIR, DEFAULT_THRESHOLD
+
+    default = {"repair": DEFAULT_REPAIR, "R": DEFAULT_R, "threshold": DEFAULT_THRESHOLD, "max_frac": DEFAULT_MAX_FRAC}
     ms = [{"name": "full", "engine": None, "kw": {}}, {"name": "prefix", "engine": "kvz", "kw": {"reuse": "prefix"}},
-          {"name": "kvz", "engine": "kvz", "kw": {}}]
+          {"name": "kvz", "engine": "kvz", "kw": default}]
     for s in parse_settings(settings):
         ms.append({"name": "content:none" if s["name"] == "none" else f"kvz:{s['name']}", "engine": "kvz",
                    "kw": kw_of(s)})
@@ -84,7 +87,7 @@ def method_list(settings: str, lossless: str, boundaries: str, kvboost: bool) ->
         base = next(x for x in ms if x["name"] == m)
         ms.append({"name": f"lossless:{m}", "engine": "lossless", "kw": base["kw"]})
     for b in (x.strip() for x in boundaries.split(",") if x.strip()):
-        ms.append({"name": f"kvz-{b}", "engine": b, "kw": {}})
+        ms.append({"name": f"kvz-{b}", "engine": b, "kw": default})
     if kvboost:
         ms.append({"name": "kvboost", "engine": "kvboost", "kw": {}})
     return ms
@@ -241,7 +244,8 @@ def to_markdown(out: dict) -> str:
              f"Command: `{out['command']}`", "", f"Machine: {out['machine'].get('cpu')}, "
              f"{out['machine'].get('usable_cores')} usable cores (shared with other jobs), KVZ_THREADS="
              f"{out['config']['threads']}; {out['seconds'] / 60:.1f} min; kvz eps {out['config']['eps']}.", "",
-             f"Workload: {w['n_done']} of {w['n_questions']} questions; {w['describe']}; prompts {w['T_min']}-"
+             f"Workload: {w['n_done']} of {w['n_questions']} questions{' (' + w['note'] + ')' if w.get('note') else ''}; "
+             f"{w['describe']}; prompts {w['T_min']}-"
              f"{w['T_max']} tokens (mean {w['T_mean']:.0f}); {out['config']['new_tokens']} greedy tokens, answer = "
              "first line. EM / F1: SQuAD normalisation, vs gold; diff: vs full recompute on the same questions, "
              "95% paired bootstrap interval (points). Agree: EM / F1 vs full recompute's answer. TTFT ratio: median "
@@ -389,9 +393,16 @@ def main(argv=None) -> int:
     ap.add_argument("--plot")
     ap.add_argument("--silent", action="store_true")
     ap.add_argument("--from-json", help="only write --md / --plot from a saved (or .partial) result")
+    ap.add_argument("--first", type=int, default=None, help="with --from-json: report only the first N questions")
     args = ap.parse_args(argv)
     if args.from_json:
         out = read_json(args.from_json)
+        if args.first:  # the first N questions: a run's prefix is the run with --limit N (same questions, same store)
+            out["per_question"] = {m: [r for r in rs if r["q"] < args.first] for m, rs in out["per_question"].items()}
+            out["questions"] = out["questions"][:args.first]
+            w = out["workload"]
+            w["n_done"] = min(w["n_done"], args.first)
+            w["note"] = f"the first {args.first} questions of the run (the run with --limit {args.first})"
         names = [m["name"] for m in out["config"]["methods"]]
         st = {r["method"]: r["status"] for r in out["rows"]}
         out["rows"] = summarize(out["per_question"], names, st, n_boot=args.n_boot)
