@@ -10,10 +10,14 @@ them for repeated prefixes.
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": "/var/cache/kvz-vllm",     # or redis://host:6379/0
-                                      "eps": 0.02, "lossless": False, "bank": "gemma-3-270m"}})
+                                      "target_kl": "fp8", "lossless": False, "bank": "gemma-3-270m"}})
 
 ``kv_connector_extra_config`` keys: ``store`` (a directory path or a ``redis://`` URL; default
-``~/.cache/kvz/vllm``), ``eps`` (NRMSE bound per tensor, default 0.02), ``lossless`` (add the
+``~/.cache/kvz/vllm``), ``target_kl`` (the error budget: a mean next-token KL, or ``"fp8"``, the
+default: FP8 e4m3's KL, in the attention scope from the bank's statistics; docs/engine-scope.md),
+``any_prefix`` (default True: every block prefix of a stored run stays within the budget; False
+codes positions a sliding-window layer never reads again after the run's end more coarsely),
+``eps`` (instead of ``target_kl``: an NRMSE bound per tensor, the tensor scope), ``lossless`` (add the
 refinement tier: the blocks decode to the engine's bits exactly), ``profile`` (the speed profile
 saves are coded in: ``auto`` (default: measured at warm-up, see
 :mod:`~kvz.integrations.vllm.profile_choice`), ``default``, ``balanced`` or ``fast``; a reader
@@ -38,32 +42,7 @@ the step instead of a background thread), ``read_only`` (load, never store), ``s
 eps of what the model computes), ``debug_dir`` (write the KV read back from the engine's blocks
 after each load/save, for tests).
 
-**Scheduler side.** ``get_num_new_matched_tokens`` hashes the prompt's full blocks (at most
-``len-1`` tokens: one token is always computed) and walks the store's per-block pointers: the
-longest stored run of blocks from position 0, across the runs of several earlier requests (a
-prompt that diverges later still loads the blocks before the divergence). Each run's tail (header,
-index, footer) is read and checked there — not its payloads — so a corrupt or foreign entry is a
-miss before any block is allocated. ``build_connector_meta`` hands the worker the runs to decode
-into the allocated blocks and, in the step a prompt's prefill completes, the blocks to store.
-
-**Worker side.** ``start_load_kv`` returns at once: kvz's load thread
-(:mod:`~kvz.integrations.vllm.loader`) decodes the step's loads layer by layer, reading each
-layer's bytes from the store ahead of its decode (ranged reads: ``pread`` / ``GETRANGE``), and
-writes each layer into the paged cache with vLLM's own ``cpu_attn_reshape_and_cache`` (so the
-layout is whatever the attention kernels use); ``wait_for_layer_load`` waits for that layer only,
-so decode runs under the forward of the layers before it. Saves read the blocks back through the
-inverse of that layout (probed once by writing a known pattern with the same op) after the forward
-(``wait_for_save``) and encode them in a background thread (``sync_save`` to do it in the step).
-At start-up (``register_kv_caches``) the load thread compiles the codec's kernels (numba's on-disk
-cache makes later processes fast) and, with ``profile="auto"``, measures and chooses; ``stats()``
-returns the timings, the load cores and the choice with its reasons.
-
-**Failures**: a store that is down or an entry that is corrupt or foreign at lookup is a miss plus
-a :class:`~kvz.integrations.vllm.store.KvzVllmWarning`; a load that fails on the worker (the store
-goes down between two layers, an entry evicted or replaced under the reader, a payload checksum)
-or misses the deadline stops writing (cancels take the lock every write holds, so no late write
-lands on recomputed blocks) and reports its blocks through ``get_block_ids_with_load_errors``
-(with ``kv_load_failure_policy="recompute"`` vLLM recomputes them).
+How it works (scheduler side, worker side, failures): ``docs/vllm.md``, "Inside the connector".
 """
 from __future__ import annotations
 
@@ -81,7 +60,7 @@ from vllm.logger import init_logger
 from .meta import KvzConnectorMetadata, LoadSpec, RequestState, SaveSpec
 from .model import model_info
 from .paged import PagedLayout, debug_dump
-from .store import DEFAULT_EPS, BlockStore, open_backend, warn
+from .store import BlockStore, open_backend, warn
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -118,7 +97,10 @@ class KvzConnector(KVConnectorBase_V1):
         info = model_info(vllm_config)
         self.info = info
         lossless = bool(get("lossless", False))
-        eps = float(get("eps", DEFAULT_EPS))
+        eps = get("eps", None)  # None: the store's default budget, target_kl in the attention scope
+        eps = None if eps is None else float(eps)
+        target_kl = get("target_kl", None)
+        any_prefix = bool(get("any_prefix", True))
         bank = get("bank", info["bank"])
         threads = get("threads", None)
         self.sync_save = bool(get("sync_save", False))
@@ -141,7 +123,8 @@ class KvzConnector(KVConnectorBase_V1):
         self.backend = open_backend(get("store", None), **kw)
         settings = dict(model_id=get("model_id", info["model_id"]), block_size=self.block_size,
                         layer_types=info["layer_types"], rope_theta=info["rope_theta"], shape=info["shape"],
-                        dtype=info["dtype"], eps=eps, lossless=lossless, bank=bank,
+                        dtype=info["dtype"], eps=eps, target_kl=target_kl, any_prefix=any_prefix,
+                        lossless=lossless, bank=bank,
                         threads=None if threads is None else int(threads),
                         profile="default" if self.profile_setting == "auto" else self.profile_setting)
         self.store = BlockStore(self.backend, **settings)
@@ -177,8 +160,8 @@ class KvzConnector(KVConnectorBase_V1):
         self._save_thread: threading.Thread | None = None
         self.timings = {"load_s": 0.0, "decode_s": 0.0, "copy_s": 0.0, "read_s": 0.0, "blocked_s": 0.0,
                         "extract_s": 0.0, "loaded_blocks": 0, "failed_blocks": 0, "load_steps": 0}
-        logger.info("kvz connector (%s): store %s, eps %s, lossless %s, bank %s", role.name,
-                    type(self.backend).__name__, eps, lossless, bank)
+        logger.info("kvz connector (%s): store %s, %s, lossless %s, bank %s", role.name,
+                    type(self.backend).__name__, self.store.budget.describe(), lossless, bank)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
