@@ -26,6 +26,13 @@ The defaults (:data:`DEFAULT_REPAIR` ...) come from ``benchmarks/reuse_repair.py
 setting measured at mean KL ~2e-3 (TTFT 0.36x recompute, KL 2.1e-3, 14/24 identical continuations vs
 prefix reuse's 22/24). No setting measured meets TTFT <= 0.30x and KL <= 2e-3 together: ``seam`` alone
 is 0.15x at KL 5.9e-3; ``threshold=0.05, max_frac=0.5`` is 0.46x at KL 1.1e-3, 17/24 identical.
+Judged by answers (``python -m kvz.benchmarks.rag_accuracy``, ``benchmarks/results/rag_accuracy.md``:
+193 planted-fact and cloze questions over several documents per prompt, Gemma 3 270M, full recompute
+EM 40.4%), the defaults stay: exact match −1.0 points [−3.1, +1.0] against full recompute at TTFT
+0.347x, the same as a CacheBlend-style recompute of as many tokens (−1.0, 0.352x); the cheaper
+settings (no repair +1.6 at 0.181x, CacheBlend-style 15% +0.5 at 0.292x) are inside the same interval
+but agree less often with full recompute's answer (81.9% and 86.0% against 88.6%), chunk 128 is the
+only kvz setting whose interval excludes 0 (−2.6), and no measured setting is better on both axes.
 Recomputed tokens attend to the full assembled context: one forward over the scattered positions
 with an explicit mask per layer type (causal, sliding window), whose cache writes their fresh K/V
 into the buffers in place (:func:`kvz.integrations.hf.ScatterCache`). When the positions to compute
