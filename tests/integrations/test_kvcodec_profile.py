@@ -3,7 +3,7 @@
 predictors, within the same error bound; an unknown profile is a configuration error."""
 import numpy as np
 import pytest
-from conftest import sample_paths
+from kvz_test_helpers import sample_paths
 
 from alignpred import KvzReader
 from kvz.integrations.lmcache.kvcodec import KvzChunkCodec, codec_from_options, metadata_from_file

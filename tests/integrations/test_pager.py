@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import synthetic_cache
+from kvz_test_helpers import synthetic_cache
 
 from alignpred import ChecksumError, KvzError, KvzReader, compress_bytes, fit_bank
 from kvz.integrations.pager import ArraySource, KvPager, KvzSource, kv_bytes
