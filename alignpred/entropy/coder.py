@@ -461,7 +461,7 @@ _registry.register(_registry.Coder(
     _encode_rans4, _decode_rans4, errors=rans.ERROR_TEXT))
 _registry.register(_registry.Coder(
     1, "constriction", PREC, 0, "constriction's AnsCoder: an independent reference implementation",
-    lambda q, ids: _encode_constriction(q, ids), _decode_constriction_into))
+    _encode_constriction, _decode_constriction_into))
 _registry.register(_registry.Coder(
     2, "lanes32", lanes.LANES_PREC, 2, "32 rANS lanes in lock-step for SIMD and GPU decoders, 12-bit tables",
     lanes.encode, _decode_lanes32, decode_objects=lanes.decode_objects, errors=lanes.ERROR_TEXT))

@@ -363,7 +363,7 @@ class KvzReader:
             if len(gens) == 1:
                 steps = ([r] for r in gens[0])
             else:
-                pool = _pool(min(self.threads, len(gens)))
+                pool = _pool(self.threads)  # one pool per thread count (placed threads stay placed)
                 steps = lockstep(pool, gens, whole or bool(tile))
             for results in stepwise(blas, steps):
                 ti, name, _ = results[0]

@@ -45,6 +45,11 @@ def parse_cpus(spec: str) -> set[int]:
     return out
 
 
+def _cpu_setting(setting) -> set[int]:
+    """A cores setting: a list of ids or a CPU list string."""
+    return set(setting) if isinstance(setting, (list, tuple, set)) else parse_cpus(str(setting))
+
+
 def _machine_cpus() -> set[int]:
     for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/devices/system/cpu/online"):
         try:
@@ -64,8 +69,7 @@ def load_cores(setting=None) -> tuple[list[int], str]:
     the worker's cores (said in the reason)."""
     cpus = _machine_cpus()
     if setting not in (None, "", "auto"):
-        chosen = set(setting) if isinstance(setting, (list, tuple, set)) else parse_cpus(str(setting))
-        chosen &= cpus
+        chosen = _cpu_setting(setting) & cpus
         if chosen:
             return sorted(chosen), "load_cores setting"
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
@@ -99,8 +103,7 @@ def idle_cores(setting, load: list[int]) -> tuple[list[int], str]:
         return [], "idle_cores setting: none"
     cpus = _machine_cpus()
     if setting not in (None, "auto"):
-        chosen = set(setting) if isinstance(setting, (list, tuple, set)) else parse_cpus(str(setting))
-        return sorted((chosen & cpus) - set(load)), "idle_cores setting"
+        return sorted((_cpu_setting(setting) & cpus) - set(load)), "idle_cores setting"
     rest = sorted(cpus - set(load))
     return rest, ("the engine's cores, at idle priority" if rest else "none: the loads run on every core")
 
