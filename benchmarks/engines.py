@@ -260,7 +260,8 @@ def sglang_rows(reps: int):
         for lossless in (False, True):
             pool = cpu_host_pool(layout)
             with tempfile.TemporaryDirectory() as d:
-                extra = hicache_extra(d, os.path.join(SAMPLES, NAMES[0] + ".safetensors"), kvz_lossless=lossless)
+                extra = hicache_extra(d, os.path.join(SAMPLES, NAMES[0] + ".safetensors"),  # the rows' eps 0.0267
+                                      eps=None if lossless else 0.0267, kvz_lossless=lossless)
                 be = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
                 be.register_mem_pool_host(pool)
                 name, start, x = chunks[0]  # [2, L, 256, HD]: four 64-token pages at positions 0..192
