@@ -4,7 +4,7 @@ The public API (what a serving loader calls)::
 
     from alignpred import Cache, KvzReader, compress, compress_bytes, load_cache
     cache = load_cache("samples/gemma3-270m/english-prose.safetensors")   # or Cache.from_arrays(...)
-    info = compress(cache, "out.kvz", eps=0.03, bank="gemma-3-270m")       # bank by registry name
+    info = compress(cache, "out.kvz", budget=0.03, bank="gemma-3-270m")    # eps 0.03; bank by registry name
     r = KvzReader("out.kvz")                                                # or KvzReader(bytes / mmap)
     tensors = r.read(tokens=(0, 128))
     for layer, k, v in r.layers(tokens=(0, 128), out=lambda i: (kbuf[i], vbuf[i])):  # into your buffers

@@ -6,7 +6,7 @@ no capture statistics of the prompt (an engine saving a prefix has none), agains
 * ``kvz-bank``: ``compress(scope="attention")`` without capture statistics: channels by the bank, no row
   steps, the positions a sliding-window layer never attends again coarse (what ``kvz compress --target-kl``
   does on a cache without a ``.capture-stats.json``);
-* ``kvz-engine``: the engines' default (:func:`kvz.integrations.scope.engine_compress_options`): the same,
+* ``kvz-engine``: the engines' default (:func:`kvz.integrations.scope.engine_budget`): the same,
   with the stale positions coded like the others, since an engine may read any block prefix of what it
   stored.
 
@@ -33,7 +33,7 @@ BANK = "gemma-3-270m"
 
 def _restore(engine: bool):
     """``fn(kv, eps) -> (restored, bits)`` of a curve (see the module docstring)."""
-    from alignpred import Cache, KvzReader, compress_bytes, resolve_bank
+    from alignpred import Cache, ErrorBudget, KvzReader, compress_bytes, resolve_bank
     from alignpred.cache import infer_layout
 
     bank = resolve_bank(BANK)
@@ -43,12 +43,12 @@ def _restore(engine: bool):
         meta = dict(kv.metadata or {})
         cache = Cache(tensors, meta, infer_layout(tensors, meta))
         if engine:  # the stores' budget (tensor cap 3, the default)
-            from kvz.integrations.scope import engine_compress_options
+            from kvz.integrations.scope import engine_budget
 
-            kw = engine_compress_options(bank, eps=eps, scope="attention")
+            budget = engine_budget(bank, eps=eps, scope="attention")
         else:
-            kw = {"eps": eps, "scope": "attention", "tensor_cap": 3.0}
-        blob = compress_bytes(cache, bank=bank, **kw)
+            budget = ErrorBudget(eps=eps, scope="attention", tensor_cap=3.0)
+        blob = compress_bytes(cache, budget=budget, bank=bank)
         out = KvzReader(memoryview(blob), bank=bank).read()
         return {k: np.array(v) for k, v in out.items()}, 8 * len(blob)
 

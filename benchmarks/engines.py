@@ -218,13 +218,13 @@ def _pred_kl(weights, nrmses: dict):
 def _kvz_target_kl(x, meta, target_kl, start):
     import torch
 
-    from alignpred import Cache, KvzReader, compress
+    from alignpred import Cache, ErrorBudget, KvzReader, compress
     from kvz.integrations.lmcache import KvzChunkCodec, kv_pairs
 
     pairs = kv_pairs(x, 1)
     tensors = KvzChunkCodec(bank=BANK, cache_metadata=meta).tensors(pairs)
     cache = Cache.from_arrays(tensors, dict(meta, position_offset=start))
-    info, enc = _timed(lambda: compress(cache, None, bank=BANK, target_kl=target_kl, threads=1), 1, "enc")
+    info, enc = _timed(lambda: compress(cache, None, bank=BANK, budget=ErrorBudget(target_kl=target_kl), threads=1), 1, "enc")
     back, dec = _timed(lambda: KvzReader(info.data, threads=1).read(), 3, "dec")
     L = len(pairs)
     y = torch.zeros_like(x)

@@ -67,6 +67,7 @@ def main(argv=None) -> int:
 
     import alignpred.gpu as GD
     from alignpred import KvzReader, compress
+    from alignpred.codec import profile
 
     sim = GD.simulated()
     T = args.tokens or (64 if sim else 8192)
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "hit.kvz")
         t0 = time.perf_counter()
-        compress(cache, p, eps=args.eps, bank=bank, profile="balanced", trust_rope=True)
+        compress(cache, p, budget=args.eps, bank=bank, profile=profile("balanced", trust_rope=True))
         res["compress_s"] = time.perf_counter() - t0
         r = KvzReader(p, bank=bank, threads=1)
         lay = r.layout

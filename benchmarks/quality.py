@@ -168,10 +168,11 @@ def int4_setting(group: int = 32) -> Setting:
     return baseline_setting_fixed("kivi_int4", group, "kvz.benchmarks.baselines.kivi", "int4", group=group)
 
 
-def kvz_setting(bank, eps: float, scope: str = "tensor", **kw) -> Setting:
+def kvz_setting(bank, eps: float, scope: str = "tensor", profile=None, config=None, **budget_kw) -> Setting:
     """kvz compress + decompress through a temporary .kvz file; records bpv (file bytes) and kvz's own NRMSE.
-    ``bank`` is an :class:`alignpred.Bank` or a path; extra keywords go to :func:`alignpred.compress`."""
-    from alignpred import Bank, Cache, KvzReader, compress
+    ``bank`` is an :class:`alignpred.Bank` or a path; ``profile`` and ``config`` go to :func:`alignpred.compress`,
+    the extra keywords (``tensor_cap``, ``weights``, ``lossless``, ...) to :meth:`alignpred.ErrorBudget.from_options`."""
+    from alignpred import Bank, Cache, ErrorBudget, KvzReader, compress
     from alignpred.cache import infer_layout
 
     if isinstance(bank, (str, os.PathLike)):
@@ -186,7 +187,8 @@ def kvz_setting(bank, eps: float, scope: str = "tensor", **kw) -> Setting:
             t0 = time.perf_counter()
             extra = {"capture_stats": kv.capture_stats} if scope == "attention" and getattr(
                 kv, "capture_stats", None) is not None else {}
-            ci = compress(cache, path, eps=eps, bank=bank, scope=scope, **kw, **extra)
+            budget = ErrorBudget.from_options(eps=eps, scope=scope, **budget_kw, **extra)
+            ci = compress(cache, path, budget=budget, bank=bank, profile=profile, config=config)
             t1 = time.perf_counter()
             out = KvzReader(path, bank=bank).read()
             t2 = time.perf_counter()

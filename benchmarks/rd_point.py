@@ -50,13 +50,15 @@ def target_error(row: dict) -> float:
 
 def kvz_point(cache, bank, eps: float, scope: str, tmpdir: str, config=None, embed_bank: bool = False) -> dict:
     """Compress, then decode the file and measure; one row (without ``cache``/``method``)."""
-    from alignpred import CodecConfig, KvzReader, compress
+    from alignpred import CodecConfig, ErrorBudget, KvzReader, compress
+    from alignpred.codec import Profile
 
     config = config or CodecConfig()
     path = os.path.join(tmpdir, "bench.kvz")
     c0 = time.process_time()
     t0 = time.perf_counter()
-    info = compress(cache, path, eps=eps, bank=bank, scope=scope, config=config, embed_bank=embed_bank)
+    info = compress(cache, path, budget=ErrorBudget(eps=eps, scope=scope), bank=bank, profile=Profile(embed_bank=embed_bank),
+                    config=config)
     enc = time.perf_counter() - t0
     c1 = time.process_time()
     file_bytes = os.path.getsize(path)

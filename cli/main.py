@@ -132,6 +132,7 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
     from alignpred import CodecConfig, ErrorBudget, compress, fit_bank, load_cache
     from alignpred.bank import fitting, resolve_bank
     from alignpred.codec import DEFAULT_EPS
+    from alignpred.codec import profile as profile_named
 
     out = out or os.path.splitext(src)[0] + ".kvz"
     if target_kl is not None and eps is not None:
@@ -140,7 +141,9 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
         raise click.UsageError("give one of --bank BANK or --self-calibrate, not both")
     # The budget is checked before the input is read: a bad --eps is one line, at once.
     budget = ErrorBudget.from_options(eps=DEFAULT_EPS if eps is None and target_kl is None else eps, scope=eps_scope,
-                                      tensor_cap=tensor_cap, target_kl=target_kl, plain_cap=plain_cap)
+                                      tensor_cap=tensor_cap, target_kl=target_kl, plain_cap=plain_cap,
+                                      lossless=lossless)
+    prof = profile_named(profile or "default", embed_bank=self_calibrate, trust_rope=trust_rope)
     cache = load_cache(src)  # a bad input is reported before the output is looked at
     _check_output(out, force, [src])
     if self_calibrate:
@@ -156,9 +159,8 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
     # The step search makes several whole-cache passes (their number is not known in advance):
     # the bar counts positions coded over all passes.
     with _progress(None, "compress", quiet, unit="pos") as bar:
-        info = compress(cache, out, budget=budget, bank=b, config=cfg, embed_bank=self_calibrate,
-                        lossless=lossless, threads=threads, progress=bar.update, trust_rope=trust_rope,
-                        profile=profile)
+        info = compress(cache, out, budget=budget, bank=b, profile=prof, config=cfg, threads=threads,
+                        progress=bar.update)
     eps, eps_scope = info.eps, info.scope
     b_id = info.bank_id
     res = {"input": src, "output": out, "eps": eps, "eps_scope": eps_scope, "profile": profile, "lossless": lossless,

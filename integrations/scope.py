@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["StoreBudget", "engine_compress_options", "parse_target_kl", "FALLBACK_EPS"]
+__all__ = ["StoreBudget", "engine_budget", "parse_target_kl", "FALLBACK_EPS"]
 
 FALLBACK_EPS = 0.0267  # a bank without attention statistics nor sensitivity record: the tensor scope at this eps
 
@@ -93,22 +93,17 @@ class StoreBudget:
                    f"tensor scope, eps {fallback_eps:g}: no bank with calibrated attention statistics or a "
                    "sensitivity record")
 
-    def budget(self, tensor_cap: float | None = None):
-        """The :class:`~alignpred.ErrorBudget` (``target_kl`` recorded in the header where it chose eps)."""
+    def budget(self, tensor_cap: float | None = None, lossless: bool = False):
+        """The :class:`~alignpred.ErrorBudget` that :func:`alignpred.compress` takes (``target_kl``
+        recorded in the header where it chose eps; the attention statistics it chose; ``lossless``:
+        with the exact tier)."""
         from alignpred import ErrorBudget
 
         kw: dict[str, Any] = {} if tensor_cap is None else {"tensor_cap": tensor_cap}
         if self.target_kl is not None:
-            return ErrorBudget(eps=self.eps, scope=self.scope, target_kl=self.target_kl,
-                               eps_from_kl=self.eps is not None, **kw)
-        return ErrorBudget(eps=self.eps, scope=self.scope, **kw)
-
-    def compress_kwargs(self, tensor_cap: float | None = None) -> dict:
-        """Keywords for :func:`alignpred.compress` / ``compress_bytes``."""
-        kw: dict[str, Any] = {"budget": self.budget(tensor_cap)}
-        if self.attention_stats is not None:
-            kw["attention_stats"] = self.attention_stats
-        return kw
+            kw.update(target_kl=self.target_kl, eps_from_kl=self.eps is not None)
+        return ErrorBudget(eps=self.eps, scope=self.scope, attention_stats=self.attention_stats, lossless=lossless,
+                           **kw)
 
     def binding(self) -> dict:
         """What a store's keys bind: a different budget never matches stale KV."""
@@ -122,9 +117,9 @@ class StoreBudget:
         return self.reason
 
 
-def engine_compress_options(bank, *, eps=None, target_kl=None, scope: str | None = None) -> dict:
-    """:meth:`StoreBudget.choose` as ``compress`` keywords."""
-    return StoreBudget.choose(bank, eps=eps, target_kl=target_kl, scope=scope).compress_kwargs()
+def engine_budget(bank, *, eps=None, target_kl=None, scope: str | None = None):
+    """:meth:`StoreBudget.choose`'s :class:`~alignpred.ErrorBudget` (``compress(..., budget=...)``)."""
+    return StoreBudget.choose(bank, eps=eps, target_kl=target_kl, scope=scope).budget()
 
 
 def _eps(v) -> float:

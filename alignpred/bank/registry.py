@@ -186,7 +186,7 @@ def resolve_bank(ref, layout=None, *, session=None):
         es = fitting(layout)
         hint = (f"; the {es[0].origin} bank {es[0].name!r} fits this cache: pass bank={es[0].name!r}" if es else
                 "; fit one with alignpred.fit_bank on other caches of this model, or pass a self-calibrated bank "
-                "(fit_bank([cache]) with embed_bank=True)")
+                "(fit_bank([cache]) with profile=Profile(embed_bank=True))")
         raise BankMismatchError(f"compression needs a calibration bank (bank=...){hint}")
     if session is not None and isinstance(ref, (str, os.PathLike)):
         hit = session.get(os.fspath(ref))

@@ -141,8 +141,8 @@ def check_rope_theta(layout, tensors) -> None:
     ``rope_theta=1e6`` for every layer of Gemma 3). Layers that share one rotary table are checked
     by a sample (``SAMPLE_LAYERS``: first, middle, last) and all of them only when the sample shows a
     mismatch, so every layer a warning or error names was checked (the check cost 0.1 s of a 0.6 s
-    compress of 448 tokens when it scored all 18 layers of Gemma 3). ``compress(..., trust_rope=True)``
-    skips it."""
+    compress of 448 tokens when it scored all 18 layers of Gemma 3). A profile with ``trust_rope``
+    (``compress(..., profile=Profile(trust_rope=True))``) skips it."""
     from alignpred.errors import LayoutError
 
     spec = layout.rope_spec
@@ -176,7 +176,8 @@ def check_rope_theta(layout, tensors) -> None:
         parts.append(f"{lt} layers {', '.join(str(r[0]) for r in rows)} look rotated with a base near {_fmt(th)}")
     fix = ("; give each layer type its own base (rope_theta={'sliding_attention': 1e4, 'full_attention': 1e6} "
            "style, or a rope spec), or let kvz.integrations.hf read RoPE from the model "
-           "(save_kv(cache, path, model=model)); compress(..., trust_rope=True) / --trust-rope skips this check")
+           "(save_kv(cache, path, model=model)); compress(..., profile=Profile(trust_rope=True)) / --trust-rope "
+           "skips this check")
     msg = "the RoPE in the metadata does not match the keys: " + "; ".join(parts) + fix
     if worse:
         layers = ", ".join(map(str, sorted(worse)))

@@ -1,5 +1,7 @@
 """The error budget: one frozen, validated value that the CLI, the writer, the encoder and the
-header all read (eps, scope, tensor cap, tensor weights, target KL).
+header all read (eps, scope, tensor cap, tensor weights, target KL, the statistics the attention
+scope weighs by, and whether the exact tier is added). :func:`~alignpred.compress` takes it as
+``budget=``; :meth:`ErrorBudget.from_options` is the one place loose options become one.
 
 >>> b = ErrorBudget(eps=0.03)
 >>> b.scope, b.cap
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +75,24 @@ class ErrorBudget:
     the attention scope, given as such — or chosen by the writer when no scope was given,
     ``auto_scope``, and the bank has attention statistics) and becomes ``eps = sqrt(target_kl /
     sum w)`` once the weights are known (:meth:`resolved`).
+    ``plain_cap`` (attention scope; 0 = none): every tensor's plain NRMSE over the positions a
+    later query reads stays within it, so no component is silently destroyed.
+    ``attention_stats`` (attention scope): the :class:`~alignpred.bank.AttentionStats` of the
+    bank (None: the bank's sidecar, which ``kvz calibrate`` fits from captures made with
+    ``--attention-stats``); ``capture_stats``: the :class:`~alignpred.bank.CaptureStats` of the
+    prefill that made the cache, for per-position weights (None: the ``.capture-stats.json``
+    beside the cache file, as ``kvz capture --attention-stats`` writes it; without one,
+    positions get no weights of their own).
+    ``lossless``: the file also carries the refinement tier (:mod:`alignpred.codec.refine`) and
+    decodes to the original bits exactly; ``eps`` then bounds its coarse tier, which stays
+    readable alone (``KvzReader(..., tier="coarse")``), e.g. as a drafter's cache.
+
+    >>> ErrorBudget(eps=0.03, lossless=True).lossless
+    True
+    >>> ErrorBudget(eps=0.03, capture_stats=object())
+    Traceback (most recent call last):
+    ...
+    alignpred.errors.KvzError: attention_stats and capture_stats are used by the attention scope only
     """
 
     eps: float | None = None
@@ -82,6 +103,9 @@ class ErrorBudget:
     eps_from_kl: bool = False  # set by resolved(): eps was derived from target_kl
     auto_scope: bool = False  # target_kl without a scope: the writer takes the best scope the bank supports
     plain_cap: float = PLAIN_CAP  # attention scope: cap of every tensor's plain NRMSE over the positions read
+    lossless: bool = False  # add the refinement tier: the file decodes to the original bits
+    attention_stats: Any = field(default=None, compare=False, repr=False)  # attention scope: bank statistics
+    capture_stats: Any = field(default=None, compare=False, repr=False)  # attention scope: the prefill's
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -106,17 +130,51 @@ class ErrorBudget:
                 raise KvzError("tensor weights are used by the weighted and attention scopes only")
             if not isinstance(self.weights, dict):
                 raise KvzError("weights must be a mapping {tensor name: positive weight}")
+        if not isinstance(self.lossless, bool):
+            raise KvzError(f"lossless must be True or False, got {self.lossless!r}")
+        if (self.attention_stats is not None or self.capture_stats is not None) and not (
+                self.scope == "attention" or self.auto_scope):
+            raise KvzError("attention_stats and capture_stats are used by the attention scope only")
 
     @classmethod
     def from_options(cls, eps=None, scope: str | None = None, tensor_cap=None, weights=None, target_kl=None,
-                     plain_cap=None):
-        """The budget of loose options as the CLI and :func:`~alignpred.compress` take them:
-        ``eps`` defaults to :data:`DEFAULT_EPS` when neither it nor ``target_kl`` is given
-        only for the CLI (the library asks for one); ``None`` means the default."""
+                     plain_cap=None, lossless: bool = False, attention_stats=None, capture_stats=None):
+        """The budget of loose options, as the CLI's flags give them (the one place they are
+        taken): ``None`` means the default; ``target_kl`` without a ``scope`` lets the writer
+        take the best scope the bank supports (``auto_scope``). The CLI defaults ``eps`` to
+        :data:`DEFAULT_EPS` when neither it nor ``target_kl`` is given; the library asks for one.
+
+        >>> ErrorBudget.from_options(eps=0.03, scope="pooled", tensor_cap=0).cap
+        0.0
+        >>> b = ErrorBudget.from_options(target_kl=1e-3)
+        >>> b.scope, b.auto_scope
+        ('weighted', True)
+        """
         auto = scope is None and target_kl is not None
         return cls(eps=eps, scope=scope or ("weighted" if auto else "tensor"),
                    tensor_cap=TENSOR_CAP if tensor_cap is None else tensor_cap, weights=weights, target_kl=target_kl,
-                   auto_scope=auto, plain_cap=PLAIN_CAP if plain_cap is None else plain_cap)
+                   auto_scope=auto, plain_cap=PLAIN_CAP if plain_cap is None else plain_cap, lossless=bool(lossless),
+                   attention_stats=attention_stats, capture_stats=capture_stats)
+
+    @classmethod
+    def of(cls, budget) -> ErrorBudget:
+        """``budget`` as :func:`~alignpred.compress` takes it: an :class:`ErrorBudget`, or a
+        number (``eps`` in the tensor scope).
+
+        >>> ErrorBudget.of(0.03) == ErrorBudget(eps=0.03)
+        True
+        >>> ErrorBudget.of(None)
+        Traceback (most recent call last):
+        ...
+        alignpred.errors.KvzError: give the error budget: budget=0.03 (eps, tensor scope) or an ErrorBudget(...)
+        """
+        if isinstance(budget, ErrorBudget):
+            return budget
+        if _number(budget):
+            return cls.from_options(eps=float(budget))
+        if budget is None:
+            raise KvzError("give the error budget: budget=0.03 (eps, tensor scope) or an ErrorBudget(...)")
+        raise KvzError(f"budget must be an ErrorBudget or a number (eps, tensor scope), not {budget!r}")
 
     @property
     def joint(self) -> bool:

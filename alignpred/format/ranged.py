@@ -10,7 +10,7 @@ CRC-32 as always. A layer-by-layer decode of a long cache thus reads layer by la
 >>> rng = np.random.default_rng(0)
 >>> cache = Cache.from_arrays([(rng.standard_normal((1, 300, 16)).astype(np.float16),) * 2 for _ in range(2)])
 >>> bank = fit_bank([cache], rank=None)
->>> blob = compress_bytes(cache, eps=0.05, bank=bank)
+>>> blob = compress_bytes(cache, budget=0.05, bank=bank)
 >>> src = BytesRanges(blob)
 >>> r = KvzReader(src, bank=bank)
 >>> src.bytes_read < len(blob)                      # the payloads are not read on open

@@ -7,7 +7,7 @@ layers, into new arrays or into the caller's buffers, layer by layer.
 >>> kv = [(rng.standard_normal((2, 300, 16)).astype(np.float16),) * 2 for _ in range(3)]
 >>> cache = Cache.from_arrays(kv)
 >>> bank = fit_bank([cache], rank=None)
->>> r = KvzReader(compress_bytes(cache, eps=0.05, bank=bank), bank=bank)
+>>> r = KvzReader(compress_bytes(cache, budget=0.05, bank=bank), bank=bank)
 >>> k = np.zeros((2, 100, 16), np.float16); v = np.zeros_like(k)        # the caller's buffers
 >>> for layer, key, value in r.layers(tokens=(200, 300), out=lambda i: (k, v)):
 ...     pass                                                            # (a forward pass would run here)

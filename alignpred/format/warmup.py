@@ -201,6 +201,8 @@ def _save(path: str, nested: set) -> str | None:
 
 
 def _run(names, lossless, dtypes, shape, b, eps, config, threads, watch, progress) -> list[dict]:
+    from alignpred.codec.budget import ErrorBudget
+    from alignpred.codec.profiles import profile
     from alignpred.format.reader import KvzReader
     from alignpred.format.writer import compress_bytes
 
@@ -211,8 +213,8 @@ def _run(names, lossless, dtypes, shape, b, eps, config, threads, watch, progres
             for exact in ([False, True] if lossless else [False]):
                 n0 = len(watch.compiled)
                 t0 = time.perf_counter()
-                blob = compress_bytes(cache, eps=eps, bank=b, config=config, lossless=exact, threads=threads,
-                                      profile=name, trust_rope=True)
+                blob = compress_bytes(cache, budget=ErrorBudget(eps=eps, lossless=exact), bank=b,
+                                      profile=profile(name, trust_rope=True), config=config, threads=threads)
                 t1 = time.perf_counter()
                 r = KvzReader(memoryview(blob), bank=b, threads=threads)
                 r.read()

@@ -7,18 +7,21 @@ stream, or to bytes.
 >>> kv = [(rng.standard_normal((1, 300, 16)).astype(np.float16),) * 2 for _ in range(2)]
 >>> cache = Cache.from_arrays(kv)
 >>> bank = fit_bank([cache], rank=None)
->>> blob = compress_bytes(cache, eps=0.05, bank=bank)
+>>> blob = compress_bytes(cache, budget=0.05, bank=bank)
 >>> out = KvzReader(blob, bank=bank).read()
 >>> bool(nrmse(cache.tensors["layers.1.value"], out["layers.1.value"]) <= 0.05), out["layers.1.value"].dtype
 (True, dtype('float16'))
 """
 from __future__ import annotations
 
+import functools
 import io as _pyio
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -30,6 +33,7 @@ from alignpred.codec.chain import OBJ_REFINE, OBJ_ZERO
 from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
 from alignpred.codec.encoder import EncodedObject, Encoder
+from alignpred.codec.profiles import Profile
 from alignpred.codec.profiles import profile as profile_named
 from alignpred.errors import BankMismatchError, KvzError, LayoutError, OutputExistsError
 from alignpred.format.container import (
@@ -45,8 +49,6 @@ from alignpred.format.container import (
 from alignpred.format.header import build_header, minor_for
 from alignpred.io import SPOOL_NOTE, atomic_write, release_pages, same_file, spool_file, write_error
 from alignpred.threads import blas_single_thread, stepwise
-
-CODER = "rans4"  # default entropy coder; "constriction" is the reference alternative
 
 
 @dataclass
@@ -86,75 +88,108 @@ def _as_cache(cache):
                       "load_cache) or a dict of arrays")
 
 
-def compress(cache, out=None, *, eps: float | None = None, bank=None, scope: str | None = None,
-             config: CodecConfig | None = None, embed_bank: bool = False, coder: str | None = None,
-             tensor_cap: float | None = None, lossless: bool = False, weights=None, target_kl: float | None = None,
-             plain_cap: float | None = None,
-             threads: int | None = None, progress=None, budget: ErrorBudget | None = None,
-             trust_rope: bool = False, attention_stats=None, capture_stats=None,
-             profile: str | None = None) -> CompressInfo:
-    """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) with error bound
-    ``eps`` (NRMSE in every unit of ``scope``: ``object``, ``tensor`` or ``pooled``; the pooled
-    scope also caps every tensor at ``tensor_cap × eps``, 0 = no cap).
+_BUDGET_OPTIONS = ("eps", "scope", "tensor_cap", "weights", "target_kl", "plain_cap", "lossless", "attention_stats",
+                   "capture_stats")  # kvz 0.x keywords of compress that are ErrorBudget fields now
+_PROFILE_OPTIONS = ("coder", "embed_bank", "trust_rope")  # ... and those that are Profile fields
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _moved_options(fn: F) -> F:
+    """``fn`` (:func:`compress`, :func:`compress_bytes`), with the keywords it took before the
+    budget and the profile held them (``eps=``, ``scope=``, ``coder=``, ...) answered by a
+    :class:`KvzError` that says how to write the call now. The signature shown is ``fn``'s own."""
+
+    @functools.wraps(fn)
+    def call(*args, **kw):
+        old_b = {k: kw.pop(k) for k in _BUDGET_OPTIONS if k in kw}
+        old_p = {k: kw.pop(k) for k in _PROFILE_OPTIONS if k in kw}
+        if old_b or old_p:
+            raise KvzError(_how_to_write(fn.__name__, old_b, old_p, kw))
+        return fn(*args, **kw)
+
+    return cast(F, call)
+
+
+def _how_to_write(name: str, old_b: dict, old_p: dict, kw: dict) -> str:
+    def show(v):
+        return repr(v) if v is None or isinstance(v, (bool, int, float, str)) else "..."
+
+    parts = []
+    if set(old_b) == {"eps"} and kw.get("budget") is None:
+        parts.append(f"budget={show(old_b['eps'])}")
+    elif old_b:
+        parts.append("budget=ErrorBudget(" + ", ".join(f"{k}={show(v)}" for k, v in old_b.items()) + ")")
+    if old_p:
+        given = kw.get("profile")
+        base = "" if given is None else (repr(given) if isinstance(given, str) else "<your profile>") + ", "
+        args = ", ".join(f"{k}={show(v)}" for k, v in old_p.items())
+        parts.append(f"profile=profile({base}{args})" if given is not None else f"profile=Profile({args})")
+    moved = ", ".join(f"{k}=" for k in (*old_b, *old_p))
+    return (f"{name}() no longer takes {moved}: write {', '.join(parts)} (the error budget is one budget=, an "
+            "ErrorBudget or a number: eps in the tensor scope; coder, embed_bank and trust_rope are fields of "
+            "profile=, a name or an alignpred.codec.Profile)")
+
+
+@_moved_options
+def compress(cache, out=None, *, budget: ErrorBudget | float | None = None, bank=None,
+             profile: str | Profile | None = None, config: CodecConfig | None = None, threads: int | None = None,
+             progress: Callable[[int], Any] | None = None) -> CompressInfo:
+    """Compress ``cache`` (an :class:`~alignpred.Cache`, or a dict of arrays) within ``budget``.
 
     ``out``: a path (written atomically; never the cache's own input file), a writable binary
     stream (written sequentially), or None (the bytes are returned in ``info.data``).
+    ``budget``: an :class:`~alignpred.ErrorBudget` — an NRMSE bound ``eps`` in every unit of its
+    ``scope`` (``object``, ``tensor``, ``pooled``, ``weighted`` or ``attention``) or a quality
+    target ``target_kl``, with its tensor cap, tensor weights, attention statistics and whether
+    the exact tier is added (``lossless``) — or a number: ``eps`` in the tensor scope. Loose
+    options (the CLI's flags) become a budget through :meth:`ErrorBudget.from_options
+    <alignpred.ErrorBudget.from_options>`.
     ``bank``: a :class:`~alignpred.Bank`, a path, or a registry id/name (see
-    :mod:`alignpred.bank.registry`); with ``embed_bank`` it is stored in the file and counted in bpv.
-    ``scope="weighted"``: the budget is ``sum_t w_t NRMSE_t² <= eps² sum_t w_t`` with
-    ``weights`` (``{tensor name: w}``; default: the bank's sensitivity record, see
-    :func:`alignpred.bank.registry.sensitivity`) — error goes where the model is least sensitive.
-    ``target_kl`` (instead of ``eps``): ask for a mean next-token KL divergence; with weights in
-    KL per NRMSE² the weighted scope is used with ``eps = sqrt(target_kl / sum_t w_t)`` — or,
-    when no ``scope`` is given and the bank has attention statistics, the attention scope (its
-    measure meets the same eps at a lower KL, so the target is met with room).
-    ``scope="attention"`` (format 1.3): the weighted budget in a measure that weighs every channel
-    and position by what attention reads of it (:mod:`alignpred.codec.attention_steps`), from
-    ``attention_stats`` (an :class:`~alignpred.bank.AttentionStats` of this bank; default: the
-    bank's sidecar, which ``kvz calibrate`` fits from captures made with ``--attention-stats``)
-    and, per position, from ``capture_stats`` (the :class:`~alignpred.bank.CaptureStats` of the
-    prefill that made this cache; default: the ``.capture-stats.json`` beside the cache file, as
-    ``kvz capture --attention-stats`` writes it; without one, positions get no weights of their own).
-    ``plain_cap`` (attention scope; default 0.5, 0 = none): every tensor's plain NRMSE over the
-    positions a later query reads stays within it, so no component is silently destroyed.
-    ``lossless``: add the refinement tier (:mod:`alignpred.codec.refine`): the file then decodes to
-    the original bits exactly, and its coarse tier (at ``eps``) stays readable alone
-    (``KvzReader(..., tier="coarse")``), e.g. as a drafter's cache.
+    :mod:`alignpred.bank.registry`).
+    ``profile``: ``default``, ``balanced`` or ``fast`` (:mod:`alignpred.codec.profiles`), or an
+    :class:`alignpred.codec.Profile`: the entropy coder and predictors of a size/decode-speed
+    trade-off (applied on top of ``config``), whether the bank is stored in the file (and counted
+    in bpv) and whether the RoPE metadata is trusted unchecked; None is ``default``.
+    ``config``: the bitstream's switches (:class:`~alignpred.CodecConfig`; None: the defaults).
     ``threads``: kvz's own worker threads (default: the cores available); the file does not
     depend on it. ``progress(n)`` is called with positions done (several passes may run).
-    ``budget``: an :class:`~alignpred.ErrorBudget` instead of the loose ``eps``, ``scope``,
-    ``tensor_cap``, ``weights`` and ``target_kl`` (which are validated into one).
-    ``coder``: the entropy coder (default ``rans4``; see :data:`alignpred.entropy.CODERS`).
-    ``profile``: ``default``, ``balanced`` or ``fast`` (:mod:`alignpred.codec.profiles`): the
-    coder and predictors for a size/decode-speed trade-off, applied on top of ``config``; not
-    with ``coder``.
-    ``trust_rope``: skip the check of the metadata's RoPE against the keys
-    (:func:`alignpred.cache.check_rope_theta`: a base that leaves keys rotated warns, one that
-    makes the frame worse than none is an error).
+
+    >>> import numpy as np
+    >>> from alignpred import Cache, ErrorBudget, fit_bank
+    >>> cache = Cache.from_arrays([(np.random.default_rng(1).standard_normal((1, 300, 16)).astype(np.float16),) * 2])
+    >>> bank = fit_bank([cache], rank=None)
+    >>> info = compress(cache, budget=ErrorBudget(eps=0.05, scope="pooled"), bank=bank, profile="fast")
+    >>> info.scope, info.nrmse_pooled <= 0.05, len(info.data) == info.file_bytes
+    ('pooled', True, True)
+    >>> compress(cache, eps=0.05, scope="pooled", bank=bank)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    alignpred.errors.KvzError: compress() no longer takes eps=, scope=: write budget=ErrorBudget(eps=0.05, ...
     """
-    if budget is None:
-        budget = ErrorBudget.from_options(eps=eps, scope=scope, tensor_cap=tensor_cap, weights=weights,
-                                          target_kl=target_kl, plain_cap=plain_cap)
-    elif any(v is not None for v in (eps, scope, tensor_cap, weights, target_kl, plain_cap)):
-        raise KvzError("give budget= or the loose eps/scope/tensor_cap/weights/target_kl/plain_cap options, not both")
-    config, coder = _with_profile(profile, config, coder)
+    budget = ErrorBudget.of(budget)
+    prof = profile_named("default" if profile is None else profile)
+    config = prof.apply(config or CodecConfig())
     cache = _as_cache(cache)
     src = cache.path
     try:
         if isinstance(out, (str, os.PathLike)) and src and same_file(out, src):
             raise OutputExistsError(f"{os.fspath(out)} is the input cache; write the .kvz to another path")
-        return _compress(cache, out, budget=budget, bank=bank, config=config, embed_bank=embed_bank,
-                         coder=coder, lossless=lossless, threads=threads, progress=progress,
-                         trust_rope=trust_rope, attention_stats=attention_stats, capture_stats=capture_stats)
+        return _compress(cache, out, budget=budget, bank=bank, config=config, profile=prof, threads=threads,
+                         progress=progress)
     except KvzError as e:
         if src and src not in str(e):
             raise type(e)(f"{src}: {e}") from None
         raise
 
 
-def compress_bytes(cache, **kw) -> bytes:
+@_moved_options
+def compress_bytes(cache, *, budget: ErrorBudget | float | None = None, bank=None, profile: str | Profile | None = None,
+                   config: CodecConfig | None = None, threads: int | None = None,
+                   progress: Callable[[int], Any] | None = None) -> bytes:
     """:func:`compress` to memory; returns the file's bytes."""
-    data = compress(cache, None, **kw).data
+    data = compress(cache, None, budget=budget, bank=bank, profile=profile, config=config, threads=threads,
+                    progress=progress).data
     assert data is not None
     return data
 
@@ -277,19 +312,10 @@ def _row_steps(cache, layout, config, capture=None):
     return config, row_codes(capture, layout, config)
 
 
-def _with_profile(name, config, coder):
-    """``(config, coder)`` after the profile ``name`` (None: ``config`` and ``coder`` as given)."""
-    if name is None:
-        return config, coder or CODER
-    if coder is not None:
-        raise KvzError("give profile= or coder=, not both (a profile chooses the coder)")
-    p = profile_named(name)
-    return p.apply(config or CodecConfig()), p.coder
-
-
-def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, coder, lossless, threads,
-              progress, trust_rope: bool = False, attention_stats=None, capture_stats=None) -> CompressInfo:
-    config = config or CodecConfig()
+def _compress(cache, out, *, budget: ErrorBudget, bank, config: CodecConfig, profile: Profile, threads,
+              progress) -> CompressInfo:
+    lossless, attention_stats, capture_stats = budget.lossless, budget.attention_stats, budget.capture_stats
+    coder, embed_bank = profile.coder, profile.embed_bank
     lay = cache.layout
     if lossless and config.arith != "exact":
         from dataclasses import replace
@@ -322,7 +348,7 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config, embed_bank, code
 
     bank.check_layout(lay)  # a bank of another shape says so before any RoPE question
     check_rope(lay, bank, cache.tensors)
-    if not trust_rope and config.rope_undo:
+    if not profile.trust_rope and config.rope_undo:
         check_rope_theta(lay, cache.tensors)
     enc = Encoder(lay, bank, config, budget, coder, weights=w, threads=threads, step_codes=codes, row_codes=rcodes)
     bank_bytes = bank.to_bytes() if embed_bank else b""

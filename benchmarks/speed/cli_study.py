@@ -28,12 +28,12 @@ def kvz_command() -> list[str]:
 def cli_section(cache, bank, *, rounds: int = 3, eps: float = EPS, progress: bool = True) -> dict:
     """``kvz decompress`` (a fresh process, default threads) vs the in-process read of the same file,
     interleaved; process start measured as ``kvz --help`` (interpreter + kvz's imports)."""
-    from alignpred import KvzReader, compress
+    from alignpred import ErrorBudget, KvzReader, compress
 
     tmp = tempfile.mkdtemp(prefix="kvz-speed-cli-")
     src = os.path.join(tmp, "cache.kvz")
     dst = os.path.join(tmp, "out.safetensors")
-    info = compress(cache, src, eps=eps, bank=bank, scope=SCOPE)
+    info = compress(cache, src, budget=ErrorBudget(eps=eps, scope=SCOPE), bank=bank)
     n = cache.layout.n_values
     cmd = kvz_command()
     env = clean_env(pythonpath=os.environ.get("PYTHONPATH"))

@@ -37,12 +37,12 @@ class KvzCodec:
             self.extra["profile"] = profile
 
     def encode(self, threads: int):
-        from alignpred import compress
+        from alignpred import ErrorBudget, compress
 
         kw = {"threads": threads} if self._threads_kw else {}
         if self.profile != "default":
             kw["profile"] = self.profile
-        info = compress(self.cache, None, eps=self.eps, bank=self.bank, scope=self.scope, **kw)
+        info = compress(self.cache, None, budget=ErrorBudget(eps=self.eps, scope=self.scope), bank=self.bank, **kw)
         self.data = info.data
         return info
 

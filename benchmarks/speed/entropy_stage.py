@@ -25,7 +25,7 @@ def real_objects(caches, log=print):
     objs = []
     for path in caches:
         t = time.perf_counter()
-        data = compress_bytes(load_cache(path), bank=BANK_NAME, eps=EPS)
+        data = compress_bytes(load_cache(path), bank=BANK_NAME, budget=EPS)
         r = KvzReader(data)
         coder = r.header["codec"]["entropy"]["coder"]
         n_obj = r.n_objects_per_tensor

@@ -32,7 +32,7 @@ def restore_section(tokens: int, bank, *, repeats: int = 3, eps: float = EPS, pr
     restore (``read_into`` preallocated buffers, 1 and all threads, interleaved)."""
     import torch
 
-    from alignpred import KvzReader, compress, load_cache
+    from alignpred import ErrorBudget, KvzReader, compress, load_cache
     from kvz.integrations.hf.gemma import capture, load_gemma, tokenize
 
     t0 = time.perf_counter()
@@ -60,7 +60,7 @@ def restore_section(tokens: int, bank, *, repeats: int = 3, eps: float = EPS, pr
     n = cache.layout.n_values
     nth = all_threads()
     c0, t0 = time.process_time(), time.perf_counter()
-    info = compress(cache, None, eps=eps, bank=bank, scope=SCOPE,
+    info = compress(cache, None, budget=ErrorBudget(eps=eps, scope=SCOPE), bank=bank,
                     **({"threads": nth} if "threads" in inspect.signature(compress).parameters else {}))
     enc_s, enc_cpu = time.perf_counter() - t0, time.process_time() - c0
     data = info.data

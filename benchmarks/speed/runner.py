@@ -198,7 +198,7 @@ def run(preset: str = "full", caches: list[str] | None = None, *, bank: str = BA
 
 def _warm_kvz(bank) -> None:
     """JIT-compile/load kvz's kernels and plans outside the timed runs (a 448-token sample)."""
-    from alignpred import KvzReader, compress, load_cache
+    from alignpred import ErrorBudget, KvzReader, compress, load_cache
 
     p = WARM_SAMPLE
     if not os.path.exists(p):
@@ -206,7 +206,7 @@ def _warm_kvz(bank) -> None:
     c = load_cache(p)
     for th in thread_counts():
         kw = {"threads": th} if "threads" in inspect.signature(compress).parameters else {}
-        data = compress(c, None, eps=EPS, bank=bank, scope=SCOPE, **kw).data
+        data = compress(c, None, budget=ErrorBudget(eps=EPS, scope=SCOPE), bank=bank, **kw).data
         KvzReader(data, bank=bank, threads=th).read()
 
 

@@ -4,7 +4,8 @@ ARGS_JSON`` with ``PYTHONPATH`` = the tree whose ``alignpred`` is measured (this
 It warms up on a small sample, then times ``compress`` to a file and ``KvzReader(...).read()`` with
 each thread count, and prints one line ``KVZ-SPEED-RESULT {json}``: times per thread count, bpv,
 digests of the decodes and the worst tensor NRMSE. It uses only what kvz 0.1 had as well (the
-``threads=`` keywords are passed where the tree's signatures take them)."""
+``threads=`` keywords are passed where the tree's signatures take them, and the budget as the loose
+``eps=`` / ``scope=`` where ``compress`` takes those, as one ``budget=`` otherwise)."""
 from __future__ import annotations
 
 import inspect
@@ -36,12 +37,18 @@ def measure(a: dict) -> dict:
     from .measures import arrays_digest
     bank = Bank.load(a["bank"])
     cs, rs = inspect.signature(compress).parameters, inspect.signature(KvzReader).parameters
+    if "eps" in cs:  # kvz 0.1 (and the trees before issue 41): the loose eps / scope keywords
+        budget_kw = {"eps": a["eps"], "scope": a["scope"]}
+    else:
+        from alignpred import ErrorBudget
+
+        budget_kw = {"budget": ErrorBudget(eps=a["eps"], scope=a["scope"])}
 
     def enc(cache, path, th):
         if os.path.exists(path):
             os.remove(path)
         kw = {"threads": th} if ("threads" in cs and th) else {}
-        return compress(cache, path, eps=a["eps"], bank=bank, scope=a["scope"], **kw)
+        return compress(cache, path, bank=bank, **budget_kw, **kw)
 
     def dec(path, th):
         kw = {"threads": th} if ("threads" in rs and th) else {}

@@ -40,7 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from alignpred import Bank, CodecConfig, KvzReader, compress, fit_bank, load_cache, save_cache  # noqa: E402
+from alignpred import Bank, CodecConfig, ErrorBudget, KvzReader, compress, fit_bank, load_cache, save_cache  # noqa: E402
+from alignpred.codec import Profile  # noqa: E402
 from alignpred import entropy  # noqa: E402
 
 REAL_SAMPLE = os.path.join(ROOT, "samples", "gemma3-270m", "english-prose.safetensors")
@@ -322,7 +323,9 @@ def make(name, factory, ckw, bkw, out=HERE) -> dict:
     if callable(ckw.get("capture_stats")):  # the prefill statistics of this vector's cache
         ckw = dict(ckw, capture_stats=ckw["capture_stats"](cache))
     # synthetic keys are only said to carry RoPE: skip the check that they look rotated (it changes no byte)
-    info = compress(cache, p_kvz, bank=bank, trust_rope=True, **ckw)
+    budget = ErrorBudget.from_options(**{k: v for k, v in ckw.items() if k not in ("config", "embed_bank", "coder")})
+    prof = Profile(coder=ckw.get("coder", "rans4"), embed_bank=ckw["embed_bank"], trust_rope=True)
+    info = compress(cache, p_kvz, budget=budget, bank=bank, profile=prof, config=ckw["config"])
     r = KvzReader(p_kvz, bank=None if ckw["embed_bank"] else bank, threads=1)
     dec = r.read()
     arrays = {f"dec.{k}": _bits(np.ascontiguousarray(v)) for k, v in dec.items()}

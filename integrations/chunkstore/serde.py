@@ -61,8 +61,8 @@ class KvzSerde:
     def encode(self, kv, meta) -> bytes:
         from alignpred import Cache, compress_bytes
 
-        return compress_bytes(Cache.from_arrays(kv, meta), bank=self.bank, config=self.config,
-                              **self.budget.compress_kwargs())
+        return compress_bytes(Cache.from_arrays(kv, meta), budget=self.budget.budget(), bank=self.bank,
+                              config=self.config)
 
     def decode_into(self, blob, out) -> dict:
         """Decode every layer into ``out(layer) -> (k_view, v_view)``; returns the source metadata."""

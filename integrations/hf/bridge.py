@@ -199,14 +199,19 @@ def _pad_sliding(kv: list, model) -> list:
 
 
 def save_kv(full_kv, out, *, model, eps: float, bank, position_offset: int = 0, token_ids=None,
-            model_id: str | None = None, config=None, scope: str = "tensor", dtype: str | None = None, **kw):
+            model_id: str | None = None, config=None, scope: str = "tensor", dtype: str | None = None, profile=None,
+            threads: int | None = None, **budget_options):
     """Compress ``full_kv`` — a transformers ``Cache`` as ``generate``/a forward returns it (full and
     sliding layers, any length), legacy tuples, or ``[(key, value)]`` per layer, ``[kv_heads, T,
     head_dim]``, torch or numpy — to ``out`` (a path, a binary stream, or None for bytes in
     ``info.data``) with the model's metadata; returns :class:`alignpred.CompressInfo`. ``dtype``
     (``float16``/``bfloat16``/``float32``) casts before coding (default: as given — float32 for an
-    fp32 model)."""
-    from alignpred import Cache, compress
+    fp32 model). ``eps``, ``scope`` and the other keywords (``lossless``, ``tensor_cap``, ...) are
+    the budget (:meth:`alignpred.ErrorBudget.from_options`); ``profile``, ``config`` and ``threads``
+    go to :func:`alignpred.compress`."""
+    from alignpred import Cache, ErrorBudget, compress
+
+    budget = ErrorBudget.from_options(eps=eps, scope=scope, **budget_options)  # a bad option fails before any work
 
     kv = _pad_sliding(kv_pairs(full_kv), model)
     if dtype is not None:
@@ -218,7 +223,7 @@ def save_kv(full_kv, out, *, model, eps: float, bank, position_offset: int = 0, 
     T = int(kv[0][0].shape[-2])
     meta = kv_metadata(model, T, position_offset=position_offset, token_ids=token_ids, model_id=model_id)
     cache = Cache.from_arrays(kv, meta)
-    return compress(cache, out, eps=eps, bank=bank, scope=scope, config=config, **kw)
+    return compress(cache, out, budget=budget, bank=bank, profile=profile, config=config, threads=threads)
 
 
 def _check_rope(reader, model, n_positions: int) -> None:

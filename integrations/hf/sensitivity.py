@@ -49,14 +49,14 @@ def _codec_error(tensors32: dict, meta: dict, bank, eps: float) -> tuple[dict, d
     """(error ``restored - bf16`` as float32 per tensor, the bf16 tensors as float32, bpv) of kvz at eps."""
     import torch
 
-    from alignpred import KvzReader, compress, load_cache
+    from alignpred import ErrorBudget, KvzReader, compress, load_cache
     from kvz.integrations.hf.capture import write_cache_atomic
 
     bf = {k: v.to(torch.bfloat16) for k, v in tensors32.items()}
     with tempfile.TemporaryDirectory(prefix="kvz-sens-") as d:
         src = write_cache_atomic(bf, meta, os.path.join(d, "c.safetensors"))
-        info = compress(load_cache(src), os.path.join(d, "c.kvz"), eps=eps, bank=bank, scope="tensor",
-                        threads=1)
+        info = compress(load_cache(src), os.path.join(d, "c.kvz"), budget=ErrorBudget(eps=eps, scope="tensor"),
+                        bank=bank, threads=1)
         restored = KvzReader(os.path.join(d, "c.kvz"), bank=bank).read()
         rec = {k: np.array(v, dtype=np.float32) for k, v in restored.items()}
     base = {k: v.float().numpy() for k, v in bf.items()}

@@ -176,8 +176,8 @@ class KvzChunkCodec:
         if extra:
             meta.update({str(k): (v if isinstance(v, str) else json.dumps(v)) for k, v in extra.items()})
         t0 = time.perf_counter()
-        data = compress_bytes(Cache.from_arrays(tensors, meta), bank=self.bank, lossless=self.lossless,
-                              threads=self.threads, profile=self.profile, **self.budget.compress_kwargs())
+        data = compress_bytes(Cache.from_arrays(tensors, meta), budget=self.budget.budget(lossless=self.lossless),
+                              bank=self.bank, profile=self.profile, threads=self.threads)
         self.stats["encode_s"] += time.perf_counter() - t0
         self.stats["encoded"] += 1
         self.stats["raw_bytes"] += sum(a.nbytes for a in tensors.values())

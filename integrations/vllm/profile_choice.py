@@ -85,7 +85,8 @@ def _synthetic(shape, tokens: int, dtype: str, seed: int = 0):
 def measure_decode(store, profiles=("default", "balanced", "fast"), tokens: int = 256, repeats: int = 3) -> dict:
     """Decode throughput (values/s, best of ``repeats``) per profile of ``store``'s mode (eps,
     lossless, bank, threads) on a synthetic cache of its shape."""
-    from alignpred import Cache, KvzReader, compress_bytes
+    from alignpred import Cache, ErrorBudget, KvzReader, compress_bytes
+    from alignpred.codec import profile
 
     kv = _synthetic(store.shape, tokens, store.dtype)
     meta = {"layer_types": store.layer_types, "keys_roped": True, "rope_theta": store.rope_theta}
@@ -93,8 +94,8 @@ def measure_decode(store, profiles=("default", "balanced", "fast"), tokens: int 
     values = 2 * L * H * tokens * d
     out = {}
     for p in profiles:
-        blob = compress_bytes(Cache.from_arrays(kv, meta), eps=store.eps, bank=store.bank, lossless=store.lossless,
-                              threads=store.threads, profile=p, trust_rope=True)
+        blob = compress_bytes(Cache.from_arrays(kv, meta), budget=ErrorBudget(eps=store.eps, lossless=store.lossless),
+                              bank=store.bank, profile=profile(p, trust_rope=True), threads=store.threads)
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()

@@ -248,15 +248,18 @@ class BlockStore:
             return 0
 
     # -- decode (worker side) ---------------------------------------------------------------------
-    def open_segment(self, seg: Segment, deadline: float | None = None, threads: int | None = None):
+    def open_segment(self, seg: Segment, deadline: float | None = None, threads: int | None = None,
+                     starts: dict | None = None):
         """``(reader, tokens, source)`` to decode ``seg`` layer by layer: the run opened for ranged
         reads, its layers' bytes fetched ahead (:class:`~kvz.integrations.vllm.loader.LayerPrefetch`,
         waiting at most until ``deadline``); ``source.close()`` when done. Raises if the run is gone
-        or is no longer the run the lookup checked."""
+        or is no longer the run the lookup checked. ``starts`` (``{layer: position in the segment}``,
+        :func:`~kvz.integrations.vllm.window.segment_starts`): fetch those layers from there only."""
         from alignpred import KvzReader
         from alignpred.format import FOOTER_SIZE
 
         from .loader import LayerPrefetch
+        from .window import skips_work
 
         src = self.backend.open_blob(seg.run_key)
         if src is None:
@@ -268,7 +271,10 @@ class BlockStore:
                           threads=threads if threads is not None else self.threads)
             a = seg.run_index * self.block_size
             tokens = (a, a + seg.count * self.block_size)
-            spans = [sp for i in range(self.shape[0]) for sp in r.payload_spans(i, tokens)]
+            n = seg.count * self.block_size
+            st = {int(i): int(x) for i, x in (starts or {}).items()} if skips_work(r) else {}
+            spans = [sp for i in range(self.shape[0]) if st.get(i, 0) < n
+                     for sp in r.payload_spans(i, (a + st.get(i, 0), tokens[1]))]
         except BaseException:
             src.close()
             raise
@@ -291,9 +297,8 @@ class BlockStore:
         kv = [tuple(torch.randn(H, self.block_size, d, generator=g).to(dt) for _ in range(2)) for _ in range(L)]
         meta = {"layer_types": self.layer_types, "keys_roped": True, "rope_theta": self.rope_theta}
         for name in dict.fromkeys((self.profile, "default", "fast")):
-            blob = compress_bytes(Cache.from_arrays(kv, meta), bank=self.bank, config=self.config,
-                                  lossless=self.lossless, threads=self.threads, profile=name,
-                                  **self.budget.compress_kwargs())
+            blob = compress_bytes(Cache.from_arrays(kv, meta), budget=self.budget.budget(lossless=self.lossless),
+                                  bank=self.bank, profile=name, config=self.config, threads=self.threads)
             KvzReader(memoryview(blob), bank=self.bank, session=self.session, threads=self.threads).read()
         return time.perf_counter() - t0
 
@@ -315,8 +320,8 @@ class BlockStore:
                     "rope_theta": self.rope_theta, "rope_pairing": "half",
                     "position_offset": int(first_block * bs), BLOCKS_META: json.dumps(digests)}
             cache = Cache.from_arrays(kv, meta)
-            blob = compress_bytes(cache, bank=self.bank, config=self.config, lossless=self.lossless,
-                                  threads=self.threads, profile=self.profile, **self.budget.compress_kwargs())
+            blob = compress_bytes(cache, budget=self.budget.budget(lossless=self.lossless), bank=self.bank,
+                                  profile=self.profile, config=self.config, threads=self.threads)
             rk = self.run_key(hashes[-1])
             if not self.backend.put(rk, blob, meta={"start": int(first_block * bs), "blocks": n},
                                     importance=float(n * bs)):

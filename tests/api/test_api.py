@@ -14,6 +14,7 @@ from alignpred import (
     BankMismatchError,
     Cache,
     DecoderSession,
+    ErrorBudget,
     KvzError,
     KvzReader,
     KvzWarning,
@@ -41,10 +42,10 @@ def nrmse(x, y):
 
 def test_bytes_stream_path_agree(cb, tmp_path):
     c, bank = cb
-    blob = compress_bytes(c, eps=0.03, bank=bank)
+    blob = compress_bytes(c, budget=0.03, bank=bank)
     s = io.BytesIO()
-    info = compress(c, s, eps=0.03, bank=bank)
-    compress(c, tmp_path / "c.kvz", eps=0.03, bank=bank)
+    info = compress(c, s, budget=0.03, bank=bank)
+    compress(c, tmp_path / "c.kvz", budget=0.03, bank=bank)
     assert s.getvalue() == blob == (tmp_path / "c.kvz").read_bytes() and info.file_bytes == len(blob)
     with open(tmp_path / "c.kvz", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         a = KvzReader(m, bank=bank).read()
@@ -56,7 +57,7 @@ def test_bytes_stream_path_agree(cb, tmp_path):
 
 def test_decode_into_buffers(cb):
     c, bank = cb
-    r = KvzReader(compress_bytes(c, eps=0.03, bank=bank), bank=bank)
+    r = KvzReader(compress_bytes(c, budget=0.03, bank=bank), bank=bank)
     full = r.read()
     for tokens in [(0, 600), (256, 512), (100, 450)]:
         a, b = tokens
@@ -88,7 +89,7 @@ def test_read_into_memory_is_bounded_by_a_tile():
 
     c = synthetic_cache(n_layers=4, heads=1, T=8 * TILE_TOKENS, d=64)
     bank = fit_bank([synthetic_cache(n_layers=4, heads=1, T=512, d=64, seed=5)], rank=None)
-    blob = compress_bytes(c, eps=0.03, bank=bank)
+    blob = compress_bytes(c, budget=0.03, bank=bank)
     r = KvzReader(blob, bank=bank, threads=1)
     full = r.read()
     peaks = {}
@@ -121,7 +122,7 @@ def test_one_object_decodes_on_several_threads_to_the_same_bits():
 
     c = synthetic_cache(n_layers=4, heads=2, T=256, d=64)
     bank = fit_bank([synthetic_cache(n_layers=4, heads=2, T=512, d=64, seed=5)], rank=None)
-    blob = compress_bytes(c, eps=0.03, bank=bank)
+    blob = compress_bytes(c, budget=0.03, bank=bank)
     full = KvzReader(blob, bank=bank, threads=1).read()
     for threads in (2, 3, 4):
         r = KvzReader(blob, bank=bank, threads=threads)
@@ -141,7 +142,7 @@ def test_torch_in_and_out(cb):
     cache = Cache.from_arrays(kv, c.metadata)
     assert cache.layout.dtype == "bfloat16"
     assert np.shares_memory(cache.tensors["layers.0.key"], kv[0][0].view(torch.int16).numpy())  # no copy
-    r = KvzReader(compress_bytes(cache, eps=0.03, bank=bank), bank=bank)
+    r = KvzReader(compress_bytes(cache, budget=0.03, bank=bank), bank=bank)
     bufs = {i: (torch.zeros(2, 600, 16, dtype=torch.bfloat16), torch.zeros(2, 600, 16, dtype=torch.bfloat16))
             for i in range(3)}
     for _ in r.layers(out=lambda i: bufs[i]):
@@ -152,7 +153,7 @@ def test_torch_in_and_out(cb):
 
 def test_session_reuses_plans(cb):
     c, bank = cb
-    blobs = [compress_bytes(Cache(c.tensors, c.metadata, c.layout), eps=e, bank=bank) for e in (0.03, 0.05)]
+    blobs = [compress_bytes(Cache(c.tensors, c.metadata, c.layout), budget=e, bank=bank) for e in (0.03, 0.05)]
     s = DecoderSession(banks=[bank])
     for blob in blobs * 3:
         KvzReader(blob, session=s).read(tokens=(0, 256))
@@ -184,7 +185,7 @@ def test_no_overwrite_of_own_input(tmp_path, cb):
     save_cache(p, c.tensors, c.metadata)
     before = p.read_bytes()
     with pytest.raises(OutputExistsError, match="is the input cache"):
-        compress(load_cache(p), p, eps=0.03, bank=bank)
+        compress(load_cache(p), p, budget=0.03, bank=bank)
     assert p.read_bytes() == before
 
 
@@ -192,7 +193,7 @@ def test_python_missing_bank_error_speaks_python():
     c = Cache.from_arrays({f"layers.{i}.{k}": np.ones((1, 300, 256), np.float16)
                            for i in range(18) for k in ("key", "value")}, model="gemma-3-270m")
     with pytest.raises(BankMismatchError) as e:
-        compress(c, None, eps=0.03)
+        compress(c, None, budget=0.03)
     msg = str(e.value)
     assert "bank='gemma-3-270m'" in msg and "--bank" not in msg
 
@@ -201,7 +202,7 @@ def test_output_path_errors_name_the_users_path(tmp_path, cb):
     c, bank = cb
     out = tmp_path / "no" / "such" / "dir" / "x.kvz"
     with pytest.raises(KvzError) as e:
-        compress(c, out, eps=0.03, bank=bank)
+        compress(c, out, budget=0.03, bank=bank)
     assert str(out) in str(e.value) and ".tmp" not in str(e.value)
 
 
@@ -211,7 +212,7 @@ def test_rope_bank_against_unroped_cache_is_a_mismatch():
     assert bank.config["rope_undone"] is True
     plain = Cache(c.tensors, {}, Cache.from_arrays(c.tensors).layout)
     with pytest.raises(BankMismatchError, match="fitted on keys with RoPE undone"):
-        compress(plain, None, eps=0.05, bank=bank)
+        compress(plain, None, budget=0.05, bank=bank)
 
 
 def test_rotated_keys_without_metadata_warn():
@@ -225,13 +226,13 @@ def test_rotated_keys_without_metadata_warn():
     c = Cache.from_arrays(t)
     bank = fit_bank([c], rank=None)
     with pytest.warns(KvzWarning, match="looks RoPE-rotated"):
-        compress(c, None, eps=0.05, bank=bank)
+        compress(c, None, budget=0.05, bank=bank)
     good = Cache.from_arrays(t, keys_roped=True, rope_theta=[1e4, 1e4])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        a = compress(good, None, eps=0.05, bank=fit_bank([good], rank=None))
+        a = compress(good, None, budget=0.05, bank=fit_bank([good], rank=None))
     with pytest.warns(KvzWarning, match="looks RoPE-rotated"):
-        plain_bytes = compress(c, None, eps=0.05, bank=bank).file_bytes
+        plain_bytes = compress(c, None, budget=0.05, bank=bank).file_bytes
     assert a.file_bytes < plain_bytes
 
 
@@ -242,8 +243,8 @@ def test_pooled_cap(tmp_path):
     c = Cache(c.tensors, {}, c.layout)
     bank = fit_bank([c], rank=None)
     eps = 0.03
-    free = compress(c, None, eps=eps, bank=bank, scope="pooled", tensor_cap=0)
-    capped = compress(c, tmp_path / "c.kvz", eps=eps, bank=bank, scope="pooled", tensor_cap=2.0)
+    free = compress(c, None, budget=ErrorBudget(eps=eps, scope="pooled", tensor_cap=0), bank=bank)
+    capped = compress(c, tmp_path / "c.kvz", budget=ErrorBudget(eps=eps, scope="pooled", tensor_cap=2.0), bank=bank)
     assert free.nrmse_max_tensor > 2 * eps  # the case the cap exists for
     assert capped.nrmse_max_tensor <= 2 * eps and capped.nrmse_pooled <= eps
     s = KvzReader(tmp_path / "c.kvz", bank=bank).summary()
@@ -261,7 +262,7 @@ def test_sink_counts_absolute_positions(cb):
     assert CodecConfig.from_json({"sink_tokens": 1, "sink_scale": 0.0625}).sink_rows(0, 1000) == 1  # 1.0 files
     mid = Cache(c.tensors, dict(c.metadata, position_offset="4096"),
                 c.layout.replace(position_offset=4096))
-    r = KvzReader(compress_bytes(mid, eps=0.03, bank=bank), bank=bank)
+    r = KvzReader(compress_bytes(mid, budget=0.03, bank=bank), bank=bank)
     assert r.header["codec"]["config"]["sink_origin"] == "absolute"
     out = r.read()
     assert max(nrmse(c.tensors[n], out[n]) for n in out) <= 0.03
@@ -302,7 +303,7 @@ def test_bank_registry_cli(tmp_path, cb, monkeypatch):
     res = r.invoke(cli, ["bank", "show", bank.id[:15]])
     assert res.exit_code == 0 and bank.id in res.output
     # a file whose bank is registered decodes without naming the bank
-    blob = compress_bytes(c, eps=0.05, bank="toy")
+    blob = compress_bytes(c, budget=0.05, bank="toy")
     assert KvzReader(blob).read(tokens=(0, 10))
     res = r.invoke(cli, ["bank", "show", "nope"])
     assert res.exit_code != 0 and "no bank file or registered bank 'nope'" in res.output
@@ -314,7 +315,7 @@ def test_weighted_scope_puts_error_where_weights_are_small():
     names = c.layout.tensor_names()
     w = {n: (50.0 if n == "layers.1.key" else 1.0) for n in names}
     eps = 0.03
-    info = compress(c, None, eps=eps, bank=bank, scope="weighted", weights=w, tensor_cap=0)
+    info = compress(c, None, budget=ErrorBudget(eps=eps, scope="weighted", tensor_cap=0, weights=w), bank=bank)
     e = info.nrmse_tensor
     assert e["layers.1.key"] < min(v for k, v in e.items() if k != "layers.1.key")
     wsum = sum(w.values())
@@ -322,9 +323,32 @@ def test_weighted_scope_puts_error_where_weights_are_small():
     assert abs(info.nrmse_weighted - (sum(w[n] * e[n] ** 2 for n in names) / wsum) ** 0.5) < 1e-9
     r = KvzReader(info.data, bank=bank)
     assert r.scope == "weighted" and r.header["codec"]["tensor_weights"][names.index("layers.1.key")] == 50.0
-    kl = compress(c, None, target_kl=1e-3, bank=bank, weights=w)
+    kl = compress(c, None, budget=ErrorBudget(weights=w, target_kl=1e-3), bank=bank)
     assert kl.scope == "weighted" and kl.kl_predicted <= 1e-3 * (1 + 1e-9)
     with pytest.raises(KvzError, match="eps or target_kl"):
-        compress(c, None, eps=0.03, target_kl=1e-3, bank=bank, weights=w)
+        compress(c, None, budget=ErrorBudget(eps=0.03, weights=w, target_kl=1e-3), bank=bank)
     with pytest.raises(KvzError, match="need tensor weights"):
-        compress(c, None, eps=0.03, bank=bank, scope="weighted")
+        compress(c, None, budget=ErrorBudget(eps=0.03, scope="weighted"), bank=bank)
+
+
+def test_compress_takes_a_budget_and_a_profile():
+    """Issue 41: eight parameters; the keywords they replace are an error that spells the call as written now."""
+    import inspect
+
+    assert list(inspect.signature(compress).parameters) == ["cache", "out", "budget", "bank", "profile", "config",
+                                                            "threads", "progress"]
+    assert list(inspect.signature(compress_bytes).parameters) == ["cache", "budget", "bank", "profile", "config",
+                                                                  "threads", "progress"]
+    c = synthetic_cache(n_layers=1, heads=1, T=40, d=8)
+    with pytest.raises(KvzError, match=r"compress\(\) no longer takes eps=: write budget=0\.03 "):
+        compress(c, None, eps=0.03, bank="gemma-3-270m")
+    with pytest.raises(KvzError, match=r"write budget=ErrorBudget\(eps=0\.03, scope='pooled'\), "
+                                       r"profile=Profile\(embed_bank=True\)"):
+        compress_bytes(c, eps=0.03, scope="pooled", embed_bank=True)
+    with pytest.raises(KvzError, match="budget must be an ErrorBudget or a number"):
+        compress_bytes(c, budget="0.03")
+    with pytest.raises(KvzError, match="give the error budget"):
+        compress_bytes(c)
+    bank = fit_bank([c], rank=None)
+    a = compress_bytes(c, budget=0.05, bank=bank)
+    assert a == compress_bytes(c, budget=ErrorBudget.from_options(eps=0.05), bank=bank)

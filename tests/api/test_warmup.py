@@ -48,7 +48,7 @@ def test_after_warmup_a_request_of_another_size_compiles_nothing():
     hits = sum(sum(d.stats.cache_hits.values()) for d in kernel_dispatchers())
     cache = _synthetic((18, 1, 100, 256), "bfloat16", seed=5)
     with CompileWatch() as w:
-        blob = compress(cache, None, eps=0.02, bank="gemma-3-270m", profile="fast").data
+        blob = compress(cache, None, budget=0.02, bank="gemma-3-270m", profile="fast").data
         out = KvzReader(blob).read(tokens=(3, 97))
     assert w.compiled == []
     assert sum(sum(d.stats.cache_hits.values()) for d in kernel_dispatchers()) == hits  # nothing left to load either

@@ -82,7 +82,7 @@ def test_bad_theta_fails_before_any_work():
     for theta in ("NaN", "0", "-1", "Infinity"):
         t0 = time.perf_counter()
         with pytest.raises(KvzError):
-            compress(Cache.from_arrays(kv(), {"rope_theta": theta, "keys_roped": "true"}), None, eps=0.05, bank=bank)
+            compress(Cache.from_arrays(kv(), {"rope_theta": theta, "keys_roped": "true"}), None, budget=0.05, bank=bank)
         assert time.perf_counter() - t0 < 1.0
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from alignpred import Cache, KvzReader, LayoutError, compress_bytes, fit_bank
+from alignpred import Cache, ErrorBudget, KvzReader, LayoutError, compress_bytes, fit_bank
+from alignpred.codec import Profile
 
 
 def _pools(L=3, nb=9, bs=16, h=2, d=32, dtype=np.float16, seed=0):
@@ -24,7 +25,7 @@ def test_paged_round_trip_lossless_is_bit_exact(dtype):
     cache = Cache.from_paged(k, v, table, n_tokens=75)
     assert cache.layout.n_tokens == 75
     bank = fit_bank([cache], rank=None)
-    blob = compress_bytes(cache, eps=0.05, bank=bank, lossless=True, embed_bank=True)
+    blob = compress_bytes(cache, budget=ErrorBudget(eps=0.05, lossless=True), bank=bank, profile=Profile(embed_bank=True))
     ko, vo = np.zeros_like(k), np.zeros_like(v)
     KvzReader(blob).read_paged(ko, vo, table)
     for t, blk in enumerate(table):
@@ -41,7 +42,7 @@ def test_paged_chunk_with_offset_lands_at_its_positions():
     cache = Cache.from_paged(k, v, table, n_tokens=32, start=16)      # positions 16..47
     assert cache.layout.position_offset == 16
     bank = fit_bank([cache], rank=None)
-    r = KvzReader(compress_bytes(cache, eps=0.02, bank=bank, embed_bank=True))
+    r = KvzReader(compress_bytes(cache, budget=0.02, bank=bank, profile=Profile(embed_bank=True)))
     ko, vo = np.zeros_like(k), np.zeros_like(v)
     r.read_paged(ko, vo, table)
     assert not ko[:, 3].any()                                         # block 0 (positions 0..15) untouched

@@ -9,6 +9,7 @@ import pytest
 
 from alignpred import Cache, KvzWarning, LayoutError, compress_bytes, load_cache
 from alignpred.cache import check_rope_theta
+from alignpred.codec import Profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLE = os.path.join(ROOT, "samples", "gemma3-270m", "python-code.safetensors")
@@ -43,5 +44,5 @@ def test_a_base_worse_than_none_is_an_error_unless_trusted(real, theta, named):
     with pytest.raises(LayoutError, match=f"worse than undoing none.*{named}.*trust_rope=True"):
         check_rope_theta(c.layout, c.tensors)
     with pytest.raises(LayoutError, match="worse than undoing none"):
-        compress_bytes(c, eps=0.05, bank="gemma-3-270m")
-    assert len(compress_bytes(c, eps=0.05, bank="gemma-3-270m", trust_rope=True)) > 0
+        compress_bytes(c, budget=0.05, bank="gemma-3-270m")
+    assert len(compress_bytes(c, budget=0.05, bank="gemma-3-270m", profile=Profile(trust_rope=True))) > 0

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from conftest import sample_paths
 
-from alignpred import KvzReader, compress, load_cache
+from alignpred import ErrorBudget, KvzReader, compress, load_cache
 
 EPS = 0.0267
 
@@ -34,7 +34,7 @@ def test_samples_are_real_gemma_caches():
 
 @pytest.mark.parametrize("scope", ["object", "tensor", "pooled"])
 def test_real_sample_meets_eps(tmp_path, prose, real_bank, scope):
-    info = compress(prose, tmp_path / "s.kvz", eps=EPS, bank=real_bank, scope=scope)
+    info = compress(prose, tmp_path / "s.kvz", budget=ErrorBudget(eps=EPS, scope=scope), bank=real_bank)
     out = KvzReader(tmp_path / "s.kvz").read()  # the bundled bank is found by its id
     S = 256
     num = den = 0.0
@@ -54,7 +54,7 @@ def test_real_sample_meets_eps(tmp_path, prose, real_bank, scope):
 
 
 def test_random_access_matches_full_decode(tmp_path, prose, real_bank):
-    compress(prose, tmp_path / "s.kvz", eps=0.05, bank=real_bank)
+    compress(prose, tmp_path / "s.kvz", budget=0.05, bank=real_bank)
     r = KvzReader(tmp_path / "s.kvz", bank=real_bank)
     full = r.read()
     part = r.read(tokens=(260, 448), layers=3)

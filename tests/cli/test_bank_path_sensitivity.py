@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import synthetic_cache
 
-from alignpred import KvzError, compress_bytes, fit_bank, save_cache
+from alignpred import ErrorBudget, KvzError, compress_bytes, fit_bank, save_cache
 from kvz.cli.main import cli
 
 
@@ -36,7 +36,7 @@ def test_target_kl_finds_the_record_beside_a_bank_given_by_path(tmp_path, monkey
     info = json.loads(r.output)
     # eps = sqrt(KL / sum of weights): sum = 3 keys x 4 + 3 values x 1 = 15
     assert info["eps"] == pytest.approx((1e-3 / 15) ** 0.5, rel=1e-6)
-    blob = compress_bytes(c, bank=str(bank), target_kl=1e-3)  # the Python API by path too
+    blob = compress_bytes(c, bank=str(bank), budget=ErrorBudget(target_kl=1e-3))  # the Python API by path too
     assert len(blob) > 0
 
 
@@ -47,4 +47,4 @@ def test_no_record_beside_the_bank_is_still_the_one_line_error(tmp_path, monkeyp
                                  "-o", str(tmp_path / "x.kvz")])
     assert r.exit_code != 0 and "sensitivity" in r.output and "Traceback" not in r.output
     with pytest.raises(KvzError, match="sensitivity"):
-        compress_bytes(c, bank=str(bank), target_kl=1e-3)
+        compress_bytes(c, bank=str(bank), budget=ErrorBudget(target_kl=1e-3))

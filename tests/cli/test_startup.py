@@ -36,7 +36,7 @@ def small_kvz(tmp_path_factory):
     from alignpred import compress, load_cache
 
     p = tmp_path_factory.mktemp("startup") / "c.kvz"
-    compress(load_cache(SAMPLE), p, eps=0.03, bank="gemma-3-270m", threads=1)
+    compress(load_cache(SAMPLE), p, budget=0.03, bank="gemma-3-270m", threads=1)
     return p
 
 

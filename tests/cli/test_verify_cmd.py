@@ -9,7 +9,18 @@ import pytest
 from click.testing import CliRunner
 from conftest import synthetic_cache
 
-from alignpred import BankMismatchError, Cache, EncodeError, KvzError, compress_bytes, fit_bank, load_cache, save_cache
+from alignpred import (
+    BankMismatchError,
+    Cache,
+    EncodeError,
+    ErrorBudget,
+    KvzError,
+    compress_bytes,
+    fit_bank,
+    load_cache,
+    save_cache,
+)
+from alignpred.codec import Profile
 from kvz.cli.main import cli
 
 
@@ -19,7 +30,7 @@ def files(tmp_path_factory):
     c = synthetic_cache(n_layers=2, T=300, d=16)
     bank = fit_bank([c], rank=4, rotations=False)
     good = d / "good.kvz"
-    good.write_bytes(compress_bytes(c, eps=0.05, bank=bank, embed_bank=True, lossless=True))
+    good.write_bytes(compress_bytes(c, budget=ErrorBudget(eps=0.05, lossless=True), bank=bank, profile=Profile(embed_bank=True)))
     bad = bytearray(good.read_bytes())
     bad[200] ^= 0x04  # inside the first payload
     (d / "bad.kvz").write_bytes(bytes(bad))
@@ -59,13 +70,13 @@ def test_a_bank_of_another_shape_says_so_before_any_rope_question():
     rng = np.random.default_rng(0)
     kv = [(rng.standard_normal((2, 80, 64)).astype(np.float16),) * 2 for _ in range(4)]
     with pytest.raises(BankMismatchError, match="bank fits"):
-        compress_bytes(Cache.from_arrays(kv), eps=0.05, bank="gemma-3-270m")
+        compress_bytes(Cache.from_arrays(kv), budget=0.05, bank="gemma-3-270m")
 
 
 def test_tiny_eps_names_the_smallest_usable_value():
     c = synthetic_cache(n_layers=1, T=40, d=8)
     with pytest.raises(EncodeError, match=r"use eps >= \d"):
-        compress_bytes(c, eps=1e-9, bank=fit_bank([c], rank=None))
+        compress_bytes(c, budget=1e-9, bank=fit_bank([c], rank=None))
 
 
 def test_bad_eps_is_refused_before_the_input_is_read(tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import synthetic_cache
 
-from alignpred import KvzError, KvzReader, compress, fit_bank
+from alignpred import ErrorBudget, KvzError, KvzReader, compress, fit_bank
 from alignpred.bank import AttentionStats
 from alignpred.codec.attention_steps import MAX_STEP, STALE_SCALE, codes_for_weights, step_codes
 from alignpred.codec.config import CodecConfig
@@ -65,7 +65,7 @@ def test_codes_follow_inverse_sqrt_weights():
 def test_attention_scope_bounds_its_measure_by_decoding(setup):
     c, bank_path, stats, weights, tmp = setup
     eps = 0.03
-    info = compress(c, tmp / "a.kvz", eps=eps, bank=bank_path, scope="attention", weights=weights)
+    info = compress(c, tmp / "a.kvz", budget=ErrorBudget(eps=eps, scope="attention", weights=weights), bank=bank_path)
     r = KvzReader(tmp / "a.kvz", bank=bank_path)
     assert r.version == (1, 3)
     cfg = r.config
@@ -83,7 +83,7 @@ def test_attention_scope_bounds_its_measure_by_decoding(setup):
 
 def test_steps_follow_the_weights(setup):
     c, bank_path, stats, weights, tmp = setup
-    compress(c, tmp / "b.kvz", eps=0.03, bank=bank_path, scope="attention", weights=weights)
+    compress(c, tmp / "b.kvz", budget=ErrorBudget(eps=0.03, scope="attention", weights=weights), bank=bank_path)
     out = KvzReader(tmp / "b.kvz", bank=bank_path).read()
     first_live = T - (WINDOW - 1)
     for name in c.layout.tensor_names():
@@ -99,7 +99,7 @@ def test_steps_follow_the_weights(setup):
 
 def test_other_scopes_write_no_13_keys(setup, tmp_path):
     c, bank_path, _, weights, _ = setup
-    compress(c, tmp_path / "w.kvz", eps=0.03, bank=bank_path, scope="weighted", weights=weights)
+    compress(c, tmp_path / "w.kvz", budget=ErrorBudget(eps=0.03, scope="weighted", weights=weights), bank=bank_path)
     r = KvzReader(tmp_path / "w.kvz", bank=bank_path)
     assert r.version == (1, 1)
     cj = r.config.to_json()
@@ -111,8 +111,7 @@ def test_bank_without_statistics_is_a_one_line_error(tmp_path):
     bank = fit_bank([c], rank=4)
     bank.save(tmp_path / "plain.h5")
     with pytest.raises(KvzError, match="kvz calibrate.*--attention-stats") as e:
-        compress(c, tmp_path / "x.kvz", eps=0.03, bank=tmp_path / "plain.h5", scope="attention",
-                 weights={n: 1.0 for n in c.layout.tensor_names()})
+        compress(c, tmp_path / "x.kvz", budget=ErrorBudget(eps=0.03, scope="attention", weights={n: 1.0 for n in c.layout.tensor_names()}), bank=tmp_path / "plain.h5")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "x.kvz").exists()
 
@@ -130,7 +129,7 @@ def test_config_rejects_bad_switches():
 
 def test_header_checks(setup):
     c, bank_path, _, weights, tmp = setup
-    compress(c, tmp / "h.kvz", eps=0.05, bank=bank_path, scope="attention", weights=weights)
+    compress(c, tmp / "h.kvz", budget=ErrorBudget(eps=0.05, scope="attention", weights=weights), bank=bank_path)
     h = KvzReader(tmp / "h.kvz", bank=bank_path).header
     check_header(h)
     lay = KvzReader(tmp / "h.kvz", bank=bank_path).layout
@@ -157,7 +156,7 @@ def test_written_header_matches_the_schema(setup):
     import json
     import os
     c, bank_path, _, weights, tmp = setup
-    compress(c, tmp / "s.kvz", eps=0.05, bank=bank_path, scope="attention", weights=weights)
+    compress(c, tmp / "s.kvz", budget=ErrorBudget(eps=0.05, scope="attention", weights=weights), bank=bank_path)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     schema = json.load(open(os.path.join(root, "format_spec", "header.schema.json")))
     jsonschema.validators.validator_for(schema)(schema).validate(KvzReader(tmp / "s.kvz", bank=bank_path).header)
@@ -189,8 +188,7 @@ def test_row_steps_follow_the_prefill_attention(setup, with_ids):
     from alignpred.codec.attention_steps import row_codes
     c, bank_path, stats, weights, tmp = setup
     cap = _capture(with_ids)
-    compress(with_ids, tmp / "r.kvz", eps=0.03, bank=bank_path, scope="attention", weights=weights,
-             capture_stats=cap)
+    compress(with_ids, tmp / "r.kvz", budget=ErrorBudget(eps=0.03, scope="attention", weights=weights, capture_stats=cap), bank=bank_path)
     r = KvzReader(tmp / "r.kvz", bank=bank_path)
     assert r.config.row_steps and r.version == (1, 3)
     want = row_codes(cap, with_ids.layout, r.config)
@@ -234,19 +232,16 @@ def test_capture_stats_of_another_prefill_are_refused(setup, with_ids):
     c, bank_path, _, weights, tmp = setup
     other = Cache(c.tensors, dict(c.metadata, token_ids=json.dumps(list(range(1, T + 1)))), c.layout)
     with pytest.raises(KvzError, match="token"):
-        compress(other, tmp / "o.kvz", eps=0.03, bank=bank_path, scope="attention", weights=weights,
-                 capture_stats=_capture(with_ids))
+        compress(other, tmp / "o.kvz", budget=ErrorBudget(eps=0.03, scope="attention", weights=weights, capture_stats=_capture(with_ids)), bank=bank_path)
     with pytest.raises(KvzError, match="attention scope only"):
-        compress(with_ids, tmp / "o2.kvz", eps=0.03, bank=bank_path, scope="weighted", weights=weights,
-                 capture_stats=_capture(with_ids))
+        compress(with_ids, tmp / "o2.kvz", budget=ErrorBudget(eps=0.03, scope="weighted", weights=weights, capture_stats=_capture(with_ids)), bank=bank_path)
 
 
 def test_row_code_field_checks(setup, with_ids):
     import base64
     import zlib
     c, bank_path, _, weights, tmp = setup
-    compress(with_ids, tmp / "rc.kvz", eps=0.05, bank=bank_path, scope="attention", weights=weights,
-             capture_stats=_capture(with_ids))
+    compress(with_ids, tmp / "rc.kvz", budget=ErrorBudget(eps=0.05, scope="attention", weights=weights, capture_stats=_capture(with_ids)), bank=bank_path)
     rd = KvzReader(tmp / "rc.kvz", bank=bank_path)
     h, lay = rd.header, rd.layout
 
@@ -274,13 +269,13 @@ def test_target_kl_takes_the_best_scope_the_bank_supports(setup, tmp_path):
     c, bank_path, _, weights, _ = setup
     assert ErrorBudget.from_options(target_kl=1e-3).auto_scope
     assert not ErrorBudget.from_options(target_kl=1e-3, scope="weighted").auto_scope
-    a = compress(c, tmp_path / "a.kvz", target_kl=1e-3, bank=bank_path, weights=weights)
+    a = compress(c, tmp_path / "a.kvz", budget=ErrorBudget(weights=weights, target_kl=1e-3), bank=bank_path)
     assert a.scope == "attention"  # the bank has attention statistics
-    w = compress(c, tmp_path / "w.kvz", target_kl=1e-3, bank=bank_path, weights=weights, scope="weighted")
+    w = compress(c, tmp_path / "w.kvz", budget=ErrorBudget(scope="weighted", weights=weights, target_kl=1e-3), bank=bank_path)
     assert w.scope == "weighted" and w.eps == a.eps
     plain = fit_bank([c], rank=4)
     plain.save(tmp_path / "plain.h5")
-    p = compress(c, tmp_path / "p.kvz", target_kl=1e-3, bank=tmp_path / "plain.h5", weights=weights)
+    p = compress(c, tmp_path / "p.kvz", budget=ErrorBudget(weights=weights, target_kl=1e-3), bank=tmp_path / "plain.h5")
     assert p.scope == "weighted"  # no statistics: the weighted scope, as before
 
 
@@ -296,8 +291,8 @@ def _plain_read(c, out, name, layer_sliding=True):
 def test_plain_cap_holds_by_decoding(setup, with_ids, cap):
     from alignpred import ErrorBudget
     c, bank_path, _, weights, tmp = setup
-    b = ErrorBudget(eps=0.05, scope="attention", weights=weights, plain_cap=cap)
-    info = compress(with_ids, tmp / f"pc{cap}.kvz", budget=b, bank=bank_path, capture_stats=_capture(with_ids))
+    b = ErrorBudget(eps=0.05, scope="attention", weights=weights, plain_cap=cap, capture_stats=_capture(with_ids))
+    info = compress(with_ids, tmp / f"pc{cap}.kvz", budget=b, bank=bank_path)
     r = KvzReader(tmp / f"pc{cap}.kvz", bank=bank_path)
     out = r.read()
     plain = [_plain_read(c, out, n) for n in c.layout.tensor_names()]

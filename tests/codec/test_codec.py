@@ -3,9 +3,10 @@ import numpy as np
 import pytest
 from conftest import synthetic_cache
 
-from alignpred import CodecConfig, KvzReader, NonFiniteError, compress, fit_bank
+from alignpred import CodecConfig, ErrorBudget, KvzReader, NonFiniteError, compress, fit_bank
 from alignpred.cache.cachefile import Cache
 from alignpred.cache.layout import infer_layout
+from alignpred.codec import Profile
 
 
 def nrmse(a, b):
@@ -19,7 +20,7 @@ def test_scopes_meet_eps(tmp_path, scope):
     c = synthetic_cache(T=600)
     bank = fit_bank([synthetic_cache(T=600, seed=0)], rank=8)
     eps = 0.02
-    info = compress(c, tmp_path / "c.kvz", eps=eps, bank=bank, scope=scope)
+    info = compress(c, tmp_path / "c.kvz", budget=ErrorBudget(eps=eps, scope=scope), bank=bank)
     out = KvzReader(tmp_path / "c.kvz", bank=bank).read()
     S = 256
     if scope == "pooled":
@@ -43,7 +44,7 @@ def test_dtype_round_trips(tmp_path, dtype):
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
     c = synthetic_cache(T=100, dtype=dt)
     bank = fit_bank([c], rank=None)
-    compress(c, tmp_path / "c.kvz", eps=0.01, bank=bank)
+    compress(c, tmp_path / "c.kvz", budget=0.01, bank=bank)
     out = KvzReader(tmp_path / "c.kvz", bank=bank).read()
     for n, x in c.tensors.items():
         assert out[n].dtype == np.dtype(dt)
@@ -53,7 +54,7 @@ def test_dtype_round_trips(tmp_path, dtype):
 def test_token_range_and_layers_match_full_decode(tmp_path):
     c = synthetic_cache(n_layers=4, T=700, roped=True)
     bank = fit_bank([c], rank=4)
-    compress(c, tmp_path / "c.kvz", eps=0.03, bank=bank)
+    compress(c, tmp_path / "c.kvz", budget=0.03, bank=bank)
     r = KvzReader(tmp_path / "c.kvz", bank=bank)
     full = r.read()
     part = r.read(tokens=(300, 650), layers=2)
@@ -73,7 +74,7 @@ def test_recycled_block_buffers_change_no_bit(tmp_path, profile):
     from alignpred import load_cache
 
     c = load_cache(Path(__file__).parents[2] / "samples" / "gemma3-270m" / "english-prose.safetensors")
-    compress(c, tmp_path / "c.kvz", eps=0.03, bank="gemma-3-270m", scope="tensor", profile=profile)
+    compress(c, tmp_path / "c.kvz", budget=ErrorBudget(eps=0.03, scope="tensor"), bank="gemma-3-270m", profile=profile)
     r = KvzReader(tmp_path / "c.kvz", bank="gemma-3-270m")
     full = r.read()
     two = KvzReader(tmp_path / "c.kvz", bank="gemma-3-270m", threads=2).read()
@@ -94,7 +95,7 @@ def test_recycled_block_buffers_change_no_bit(tmp_path, profile):
 def test_ablation_configs_round_trip(tmp_path, cfg):
     c = synthetic_cache(T=300, roped=True, heads=2)
     bank = fit_bank([c], rank=8)
-    compress(c, tmp_path / "c.kvz", eps=0.02, bank=bank, config=cfg)
+    compress(c, tmp_path / "c.kvz", budget=0.02, bank=bank, config=cfg)
     out = KvzReader(tmp_path / "c.kvz", bank=bank).read()
     for n, x in c.tensors.items():
         assert nrmse(x, out[n]) <= 0.02
@@ -109,7 +110,7 @@ def test_zero_tensor_and_zero_channel(tmp_path):
     t["layers.2.value"] = v
     c2 = Cache(t, {}, infer_layout(t))
     bank = fit_bank([c], rank=4)
-    compress(c2, tmp_path / "c.kvz", eps=0.02, bank=bank)
+    compress(c2, tmp_path / "c.kvz", budget=0.02, bank=bank)
     out = KvzReader(tmp_path / "c.kvz", bank=bank).read()
     assert not out["layers.1.key"].any()
     assert nrmse(v, out["layers.2.value"]) <= 0.02
@@ -120,7 +121,7 @@ def test_batch_dim_round_trips(tmp_path):
     t = {n: a[None] for n, a in c.tensors.items()}
     c2 = Cache(t, {}, infer_layout(t))
     bank = fit_bank([c], rank=4)
-    compress(c2, tmp_path / "c.kvz", eps=0.05, bank=bank)
+    compress(c2, tmp_path / "c.kvz", budget=0.05, bank=bank)
     out = KvzReader(tmp_path / "c.kvz", bank=bank).read()
     assert out["layers.0.key"].shape == (1, 1, 50, 32)
 
@@ -133,7 +134,7 @@ def test_nan_refused_with_location(tmp_path):
     t["layers.1.value"] = v
     bank = fit_bank([c], rank=4)
     with pytest.raises(NonFiniteError, match=r"layers.1.value.*token 7, channel 3"):
-        compress(Cache(t, {}, infer_layout(t)), tmp_path / "c.kvz", eps=0.05, bank=bank)
+        compress(Cache(t, {}, infer_layout(t)), tmp_path / "c.kvz", budget=0.05, bank=bank)
     assert not (tmp_path / "c.kvz").exists()
     assert list(tmp_path.iterdir()) == []  # no temporary left behind
 
@@ -141,8 +142,8 @@ def test_nan_refused_with_location(tmp_path):
 def test_constriction_coder_round_trips(tmp_path):
     c = synthetic_cache(T=300)
     bank = fit_bank([c], rank=4)
-    a = compress(c, tmp_path / "a.kvz", eps=0.02, bank=bank)
-    b = compress(c, tmp_path / "b.kvz", eps=0.02, bank=bank, coder="constriction")
+    a = compress(c, tmp_path / "a.kvz", budget=0.02, bank=bank)
+    b = compress(c, tmp_path / "b.kvz", budget=0.02, bank=bank, profile=Profile(coder="constriction"))
     ra, rb = KvzReader(tmp_path / "a.kvz", bank=bank), KvzReader(tmp_path / "b.kvz", bank=bank)
     assert rb.header["codec"]["entropy"]["coder"] == "constriction"
     oa, ob = ra.read(), rb.read()
@@ -155,7 +156,7 @@ def test_decompress_to_matches_read(tmp_path):
     from alignpred import load_cache
     c = synthetic_cache(n_layers=3, T=700, roped=True, heads=2)
     bank = fit_bank([c], rank=4)
-    compress(c, tmp_path / "c.kvz", eps=0.03, bank=bank)
+    compress(c, tmp_path / "c.kvz", budget=0.03, bank=bank)
     r = KvzReader(tmp_path / "c.kvz", bank=bank)
     full = r.read()
     r.decompress_to(tmp_path / "all.safetensors")
@@ -172,8 +173,8 @@ def test_decompress_to_matches_read(tmp_path):
 def test_sink_token_gets_a_finer_step(tmp_path):
     c = synthetic_cache(T=300)
     bank = fit_bank([c], rank=4)
-    compress(c, tmp_path / "s.kvz", eps=0.05, bank=bank)  # default: 1 sink token, step / 16
-    compress(c, tmp_path / "n.kvz", eps=0.05, bank=bank, config=CodecConfig(sink_tokens=0))
+    compress(c, tmp_path / "s.kvz", budget=0.05, bank=bank)  # default: 1 sink token, step / 16
+    compress(c, tmp_path / "n.kvz", budget=0.05, bank=bank, config=CodecConfig(sink_tokens=0))
     s, n = KvzReader(tmp_path / "s.kvz", bank=bank), KvzReader(tmp_path / "n.kvz", bank=bank)
     assert s.config.sink_tokens == 1 and n.config.sink_tokens == 0
     os_, on = s.read(), n.read()

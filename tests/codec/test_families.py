@@ -443,7 +443,7 @@ def test_compress_roundtrip_and_rope_pays(family, variant, over, tmp_path):
         out = tmp_path / f"{mode}.kvz"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "looks RoPE-rotated but keys_roped=false" in plain mode
-            info = compress(test, str(out), eps=0.05, bank=bank)
+            info = compress(test, str(out), budget=0.05, bank=bank)
         dec = KvzReader(str(out), bank=bank).read()
         for name in test.layout.tensor_names():
             x = np.asarray(test.tensors[name], np.float32)

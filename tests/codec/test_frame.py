@@ -10,7 +10,7 @@ def test_rope_args_per_table_and_range(real_bank):
     """Layers that share a RoPE table get the same rows (made once per range); every layer's
     rows are its table's cos/sin for exactly those positions, for any start and length."""
     cache = load_cache(sample_paths()[0])
-    data = compress(cache, None, eps=0.05, bank=real_bank).data
+    data = compress(cache, None, budget=0.05, bank=real_bank).data
     dec = KvzReader(data, bank=real_bank).decoder
     lay, frame = dec.layout, dec.frame
     spec = lay.rope_spec

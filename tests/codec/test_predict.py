@@ -45,7 +45,7 @@ def test_fit_bank_with_chosen_map_sources():
         W, _ = bank.map_factors(b)
         assert W.shape == (32 * len(s), 32) and bank.sources(b) == s
     assert bank.map_factors("V.0.0") is None
-    blob = compress_bytes(c, eps=0.03, bank=bank)
+    blob = compress_bytes(c, budget=0.03, bank=bank)
     out = KvzReader(blob, bank=bank).read()
     assert set(out) == set(c.tensors)
     with pytest.raises(LayoutError, match="decoded before"):

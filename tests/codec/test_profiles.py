@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import sample_paths
 
-from alignpred import CodecConfig, KvzError, KvzReader, compress, load_cache
+from alignpred import CodecConfig, ErrorBudget, KvzError, KvzReader, compress, load_cache
 from alignpred.codec import PROFILES, profile
 
 
@@ -24,7 +24,7 @@ def sample():
 
 @pytest.fixture(scope="module")
 def files(sample, real_bank):
-    return {p: compress(sample, None, eps=0.03, scope="tensor", bank=real_bank, profile=p) for p in PROFILES}
+    return {p: compress(sample, None, budget=ErrorBudget(eps=0.03, scope="tensor"), bank=real_bank, profile=p) for p in PROFILES}
 
 
 def test_every_profile_meets_the_budget_and_records_its_choices(sample, real_bank, files):
@@ -56,22 +56,24 @@ def test_a_profile_decodes_to_the_same_bits_on_any_thread_count(files, real_bank
 
 
 def test_default_profile_is_the_plain_call(sample, real_bank, files):
-    plain = compress(sample, None, eps=0.03, scope="tensor", bank=real_bank)
+    plain = compress(sample, None, budget=ErrorBudget(eps=0.03, scope="tensor"), bank=real_bank)
     assert plain.data == files["default"].data
 
 
 def test_a_profile_keeps_the_rest_of_the_config(sample, real_bank):
     cfg = CodecConfig(sink_tokens=4)
-    info = compress(sample, None, eps=0.05, scope="tensor", bank=real_bank, profile="fast", config=cfg)
+    info = compress(sample, None, budget=ErrorBudget(eps=0.05, scope="tensor"), bank=real_bank, profile="fast", config=cfg)
     s = KvzReader(info.data, bank=real_bank).summary()
     assert s["config"]["sink_tokens"] == 4 and s["config"]["inter_map"] is False
 
 
 def test_profile_errors(sample, real_bank):
     with pytest.raises(KvzError, match="unknown profile 'tiny'"):
-        compress(sample, None, eps=0.05, bank=real_bank, profile="tiny")
-    with pytest.raises(KvzError, match="not both"):
+        compress(sample, None, budget=0.05, bank=real_bank, profile="tiny")
+    with pytest.raises(KvzError, match=r"no longer takes eps=, coder=: write budget=0\.05, profile=profile\('fast', coder='rans4'\)"):
         compress(sample, None, eps=0.05, bank=real_bank, profile="fast", coder="rans4")
+    with pytest.raises(KvzError, match="unknown entropy coder 'rans9'"):
+        compress(sample, None, budget=0.05, bank=real_bank, profile=profile("fast", coder="rans9"))
     with pytest.raises(KvzError, match="unknown profile"):
         profile(None)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from conftest import sample_paths, synthetic_cache
 
-from alignpred import ChecksumError, KvzError, KvzReader, compress, fit_bank, load_cache
+from alignpred import ChecksumError, ErrorBudget, KvzError, KvzReader, compress, fit_bank, load_cache
 from alignpred.codec.refine import apply, contexts, ordinal, symbols
 
 
@@ -36,7 +36,7 @@ def test_lossless_round_trip(dtype, tmp_path):
     bank = fit_bank([synthetic_cache(n_layers=3, heads=2, T=300, d=16, dtype=dt, seed=4, roped=True)], rank=None)
     c.tensors["layers.1.value"][:, 10:20] = 0  # zeros and signed zeros survive
     c.tensors["layers.1.value"][:, 20] = -np.zeros(16, dt)
-    info = compress(c, tmp_path / "l.kvz", eps=0.03, bank=bank, lossless=True)
+    info = compress(c, tmp_path / "l.kvz", budget=ErrorBudget(eps=0.03, lossless=True), bank=bank)
     r = KvzReader(tmp_path / "l.kvz", bank=bank)
     assert r.tiers == ("coarse", "exact") and r.version == (1, 1)
     exact = r.read()
@@ -55,7 +55,7 @@ def test_lossless_round_trip(dtype, tmp_path):
 def test_coarse_tier_reads_only_coarse_objects(tmp_path):
     c = synthetic_cache(n_layers=2, T=600)
     bank = fit_bank([c], rank=None)
-    compress(c, tmp_path / "l.kvz", eps=0.05, bank=bank, lossless=True)
+    compress(c, tmp_path / "l.kvz", budget=ErrorBudget(eps=0.05, lossless=True), bank=bank)
     r = KvzReader(tmp_path / "l.kvz", bank=bank)
     r.read(tier="coarse")
     assert r.objects_decoded == 4 * 3  # 4 tensors x 3 objects: no refinement object touched
@@ -63,13 +63,13 @@ def test_coarse_tier_reads_only_coarse_objects(tmp_path):
     r.read()
     assert r.objects_decoded == 2 * 4 * 3
     with pytest.raises(KvzError, match="not 'exact'"):
-        KvzReader(compress(c, None, eps=0.05, bank=bank).data, bank=bank).read(tier="exact")
+        KvzReader(compress(c, None, budget=0.05, bank=bank).data, bank=bank).read(tier="exact")
 
 
 def test_refinement_damage_is_detected(tmp_path):
     c = synthetic_cache(n_layers=2, T=300)
     bank = fit_bank([c], rank=None)
-    compress(c, tmp_path / "l.kvz", eps=0.05, bank=bank, lossless=True)
+    compress(c, tmp_path / "l.kvz", budget=ErrorBudget(eps=0.05, lossless=True), bank=bank)
     r = KvzReader(tmp_path / "l.kvz", bank=bank)
     e = r.index[len(r.index) // 2 + 1]  # a refinement object
     raw = bytearray((tmp_path / "l.kvz").read_bytes())
@@ -83,7 +83,7 @@ def test_refinement_damage_is_detected(tmp_path):
 def test_lossless_on_real_samples():
     p = sample_paths()[1]
     c = load_cache(p)
-    info = compress(c, None, eps=0.01, bank="gemma-3-270m", lossless=True)
+    info = compress(c, None, budget=ErrorBudget(eps=0.01, lossless=True), bank="gemma-3-270m")
     out = KvzReader(info.data).read(layers=4)
     for n in out:
         assert same_bits(out[n], c.tensors[n])
@@ -107,7 +107,7 @@ def test_lossless_round_trip_on_every_sample_any_thread_count_and_process(tmp_pa
     for i, p in enumerate(sample_paths()):
         c = load_cache(p)
         out = tmp_path / f"s{i}.kvz"
-        compress(c, out, eps=0.01, bank="gemma-3-270m", lossless=True)
+        compress(c, out, budget=ErrorBudget(eps=0.01, lossless=True), bank="gemma-3-270m")
         for threads in (1, 2, 4):
             got = KvzReader(out, threads=threads).read()
             for n in got:

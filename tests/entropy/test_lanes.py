@@ -391,11 +391,12 @@ def test_a_lanes32_file_is_format_1_2_and_decodes_like_rans4():
     import struct
 
     from alignpred import FormatError, KvzReader, compress_bytes, fit_bank
+    from alignpred.codec import Profile
 
     c = synthetic_cache(n_layers=2, T=300, d=32)
     bank = fit_bank([c], rank=None)
-    a = KvzReader(compress_bytes(c, eps=0.03, bank=bank), bank=bank)
-    raw = compress_bytes(c, eps=0.03, bank=bank, coder="lanes32")
+    a = KvzReader(compress_bytes(c, budget=0.03, bank=bank), bank=bank)
+    raw = compress_bytes(c, budget=0.03, bank=bank, profile=Profile(coder="lanes32"))
     b = KvzReader(raw, bank=bank)
     assert a.version == (1, 1) and b.version == (1, 2)
     assert b.header["codec"]["entropy"] == {"coder": "lanes32", "model_set": "kvz-models-v1", "prec": 12}

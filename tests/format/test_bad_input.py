@@ -85,7 +85,7 @@ def test_non_finite(base, tmp_path, bad):
     t["layers.1.value"][0, 7, 3] = bad
     p = _write(tmp_path, "nan.safetensors", t, c.metadata)
     with pytest.raises(NonFiniteError, match="nan.safetensors: layers.1.value: .*token 7, channel 3"):
-        compress(load_cache(p), tmp_path / "x.kvz", eps=0.05, bank=bank)
+        compress(load_cache(p), tmp_path / "x.kvz", budget=0.05, bank=bank)
     one_line_error(*kvz("compress", p, "--bank", d / "bank.h5", "-q"), p, "layers.1.value", "replace")
     assert not (tmp_path / "nan.kvz").exists() and leftovers(tmp_path) == []
 
@@ -237,12 +237,12 @@ def test_disk_full_simulated(base, tmp_path, monkeypatch):
     import alignpred.io as aio
 
     out = tmp_path / "full.kvz"
-    compress(c, out, eps=0.05, bank=bank)
+    compress(c, out, budget=0.05, bank=bank)
     old = out.read_bytes()
     real = os.fdopen
     monkeypatch.setattr(aio.os, "fdopen", lambda fd, *a, **k: _FullFile(real(fd, *a, **k), 100))
     with pytest.raises(KvzError, match="full.kvz: No space left on device; free some space"):
-        compress(c, out, eps=0.02, bank=bank)
+        compress(c, out, budget=0.02, bank=bank)
     assert out.read_bytes() == old and leftovers(tmp_path) == []
     one_line_error(*kvz("compress", d / "good.safetensors", "--bank", d / "bank.h5", "-o", out, "-q", "--force"),
                    "full.kvz", "No space left", "free some space")
@@ -267,7 +267,7 @@ def test_disk_full_tmpfs(base, tmp_path):
         one_line_error(*kvz("compress", tmp_path / "big.safetensors", "--bank", tmp_path / "bbank.h5", "--eps", 0.01,
                             "-o", mnt / "big.kvz", "-q"), "big.kvz", "No space left")
         assert os.listdir(mnt) == []
-        compress(big, mnt / "small.kvz", eps=0.3, bank=bbank)   # fits
+        compress(big, mnt / "small.kvz", budget=0.3, bank=bbank)   # fits
         one_line_error(*kvz("decompress", mnt / "small.kvz", "--bank", tmp_path / "bbank.h5",
                             "-o", mnt / "x.safetensors", "-q"), "x.safetensors", "No space left")
         assert os.listdir(mnt) == ["small.kvz"]
@@ -285,5 +285,5 @@ def test_disk_full_in_the_spool_says_how_much_room_is_needed(base, tmp_path, mon
     monkeypatch.setattr(aio.tempfile, "TemporaryFile", lambda *a, **k: _FullFile(real(*a, **k), 100))
     with pytest.raises(KvzError, match=r"full.kvz: No space left on device \(the temporary spool.*twice the output's "
                                        r"size free.*; free some space"):
-        compress(c, tmp_path / "full.kvz", eps=0.05, bank=bank)
+        compress(c, tmp_path / "full.kvz", budget=0.05, bank=bank)
     assert leftovers(tmp_path) == []

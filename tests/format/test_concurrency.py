@@ -32,7 +32,7 @@ def digest(tensors: dict) -> str:
 def _writer(cache, bank, path, stop, rounds):
     k = 0
     while not stop.is_set():
-        compress(cache, path, eps=EPS[k % len(EPS)], bank=bank)
+        compress(cache, path, budget=EPS[k % len(EPS)], bank=bank)
         k += 1
     rounds.value = k
 
@@ -65,7 +65,7 @@ def setup(tmp_path_factory):
     known = {}
     for eps in EPS:
         p = d / f"v{eps}.kvz"
-        compress(cache, p, eps=eps, bank=bank)
+        compress(cache, p, budget=eps, bank=bank)
         known[digest(KvzReader(p, bank=bank).read())] = eps
     assert len(known) == len(EPS)
     return d, cache, bank, known
@@ -74,7 +74,7 @@ def setup(tmp_path_factory):
 def test_readers_never_see_a_torn_file(setup):
     d, cache, bank, known = setup
     path = str(d / "live.kvz")
-    compress(cache, path, eps=EPS[0], bank=bank)
+    compress(cache, path, budget=EPS[0], bank=bank)
     ctx = mp.get_context("fork")
     stop = ctx.Event()
     q = ctx.Queue()
@@ -101,8 +101,8 @@ def test_readers_never_see_a_torn_file(setup):
 def test_open_reader_keeps_old_inode(setup):
     d, cache, bank, known = setup
     path = d / "inode.kvz"
-    compress(cache, path, eps=0.02, bank=bank)
+    compress(cache, path, budget=0.02, bank=bank)
     r = KvzReader(path, bank=bank)
-    compress(cache, path, eps=0.1, bank=bank)      # replaced while r holds the mmap
+    compress(cache, path, budget=0.1, bank=bank)      # replaced while r holds the mmap
     assert known[digest(r.read())] == 0.02          # r still reads the old inode
     assert known[digest(KvzReader(path, bank=bank).read())] == 0.1

@@ -25,7 +25,7 @@ def small(tmp_path_factory):
     c = synthetic_cache(n_layers=2, T=40, d=16)
     bank = fit_bank([c], rank=4)
     p = d / "c.kvz"
-    compress(c, p, eps=0.05, bank=bank)
+    compress(c, p, budget=0.05, bank=bank)
     return p, bank, p.read_bytes()
 
 

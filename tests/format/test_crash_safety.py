@@ -27,7 +27,7 @@ def temps(d, name):
 
 
 def _writer(cache, bank, path, eps):
-    compress(cache, path, eps=eps, bank=bank)
+    compress(cache, path, budget=eps, bank=bank)
     os._exit(0)
 
 
@@ -35,9 +35,9 @@ def test_sigkill_writer_at_random_points(tmp_path):
     cache = synthetic_cache(n_layers=4, heads=2, T=500, d=32)
     bank = fit_bank([cache], rank=8, rotations=False)
     path = tmp_path / "c.kvz"
-    compress(cache, tmp_path / "new.kvz", eps=0.02, bank=bank)
+    compress(cache, tmp_path / "new.kvz", budget=0.02, bank=bank)
     new_bytes = (tmp_path / "new.kvz").read_bytes()
-    compress(cache, path, eps=0.08, bank=bank)
+    compress(cache, path, budget=0.08, bank=bank)
     old_bytes = path.read_bytes()
     assert old_bytes != new_bytes
     ctx = mp.get_context("fork")
@@ -52,7 +52,7 @@ def test_sigkill_writer_at_random_points(tmp_path):
     left = 0
     for it in range(10):
         if path.read_bytes() == new_bytes:  # start every round from the old version
-            compress(cache, path, eps=0.08, bank=bank)
+            compress(cache, path, budget=0.08, bank=bank)
         before = len(temps(tmp_path, "c.kvz"))
         p = ctx.Process(target=_writer, args=(cache, bank, str(path), 0.02))
         p.start()
@@ -74,7 +74,7 @@ def test_sigkill_writer_at_random_points(tmp_path):
     for n in temps(tmp_path, "c.kvz"):
         past = time.time() - 60
         os.utime(tmp_path / n, (past, past))
-    compress(cache, path, eps=0.05, bank=bank)
+    compress(cache, path, budget=0.05, bank=bank)
     assert temps(tmp_path, "c.kvz") == []
     assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
 

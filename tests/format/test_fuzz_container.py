@@ -19,7 +19,8 @@ from conftest import synthetic_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from alignpred import CodecConfig, KvzError, KvzReader, compress, fit_bank
+from alignpred import CodecConfig, ErrorBudget, KvzError, KvzReader, compress, fit_bank
+from alignpred.codec import Profile
 from alignpred.format.container import (
     ENTRY,
     ENTRY_SIZE,
@@ -105,14 +106,14 @@ def files(tmp_path_factory):
     c = synthetic_cache(n_layers=2, heads=1, T=40, d=16)
     bank = fit_bank([c], rank=4, rotations=False)
     p1 = d / "ext.kvz"
-    compress(c, p1, eps=0.05, bank=bank, config=CodecConfig(object_size=16))
+    compress(c, p1, budget=0.05, bank=bank, config=CodecConfig(object_size=16))
     c2 = synthetic_cache(n_layers=2, heads=2, T=20, d=8, seed=3, roped=True)
     bank2 = fit_bank([c2], rank=None, rotations=True)
     p2 = d / "emb.kvz"
-    compress(c2, p2, eps=0.1, bank=bank2, embed_bank=True, scope="object",
+    compress(c2, p2, budget=ErrorBudget(eps=0.1, scope="object"), bank=bank2, profile=Profile(embed_bank=True),
              config=CodecConfig(object_size=8, align=True, blend=True))
     p3 = d / "con.kvz"
-    compress(c, p3, eps=0.05, bank=bank, config=CodecConfig(object_size=16), coder="constriction")
+    compress(c, p3, budget=0.05, bank=bank, profile=Profile(coder="constriction"), config=CodecConfig(object_size=16))
     return {"ext": (p1.read_bytes(), bank), "emb": (p2.read_bytes(), None), "con": (p3.read_bytes(), bank)}
 
 

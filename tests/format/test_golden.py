@@ -20,8 +20,9 @@ import os
 import numpy as np
 import pytest
 
-from alignpred import Bank, CodecConfig, KvzReader, compress, entropy, load_cache
+from alignpred import Bank, CodecConfig, ErrorBudget, KvzReader, compress, entropy, load_cache
 from alignpred.cache.layout import numpy_dtype
+from alignpred.codec import Profile
 
 VEC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "format_spec", "vectors")
 MANIFEST = json.load(open(os.path.join(VEC, "manifest.json")))
@@ -168,11 +169,11 @@ def test_reencode(vec, tmp_path):
         extra["attention_stats"] = made["attention_stats"](bank)
         if callable(made.get("capture_stats")):
             extra["capture_stats"] = made["capture_stats"](cache)
-    info = compress(cache, p, eps=c["eps"], scope=c["eps_scope"], bank=bank, **extra,
-                    config=CodecConfig.from_json(c["config"]), embed_bank=c["embed_bank"],
-                    coder=c.get("coder", "rans4"), tensor_cap=c.get("tensor_cap", 0.0),
-                    lossless=c.get("lossless", False), weights=c.get("weights"),
-                    trust_rope=True)  # the synthetic vectors claim RoPE on keys that carry none
+    budget = ErrorBudget.from_options(eps=c["eps"], scope=c["eps_scope"], tensor_cap=c.get("tensor_cap", 0.0),
+                                      weights=c.get("weights"), lossless=c.get("lossless", False), **extra)
+    prof = Profile(coder=c.get("coder", "rans4"), embed_bank=c["embed_bank"],
+                   trust_rope=True)  # the synthetic vectors claim RoPE on keys that carry none
+    info = compress(cache, p, budget=budget, bank=bank, profile=prof, config=CodecConfig.from_json(c["config"]))
     achieved = {"pooled": info.nrmse_pooled, "weighted": info.nrmse_weighted,
                 "attention": info.nrmse_weighted}.get(c["eps_scope"], info.nrmse_max_tensor)
     assert achieved <= c["eps"] * (1 + 1e-6)

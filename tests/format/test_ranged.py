@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import sample_paths
 
-from alignpred import KvzReader, compress, load_cache
+from alignpred import ErrorBudget, KvzReader, compress, load_cache
 from alignpred.errors import ChecksumError, TruncatedError
 from alignpred.format import BytesRanges
 
@@ -13,8 +13,8 @@ from alignpred.format import BytesRanges
 @pytest.fixture(scope="module")
 def blobs(real_bank):
     cache = load_cache(sample_paths()[0])
-    lossy = compress(cache, None, eps=0.03, bank=real_bank).data
-    lossless = compress(cache, None, eps=0.03, bank=real_bank, lossless=True).data
+    lossy = compress(cache, None, budget=0.03, bank=real_bank).data
+    lossless = compress(cache, None, budget=ErrorBudget(eps=0.03, lossless=True), bank=real_bank).data
     return {"lossy": lossy, "lossless": lossless}, real_bank
 
 

@@ -11,7 +11,7 @@ from alignpred import KvzReader, compress, load_cache
 
 @pytest.fixture(scope="module")
 def data(real_bank):
-    return compress(load_cache(sample_paths()[0]), None, eps=0.03, bank=real_bank).data, real_bank
+    return compress(load_cache(sample_paths()[0]), None, budget=0.03, bank=real_bank).data, real_bank
 
 
 def _root(a):

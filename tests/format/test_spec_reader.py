@@ -28,7 +28,8 @@ from conftest import synthetic_cache
 from test_golden import VEC, VECTORS, expected, from_bits, within_tolerance
 
 import alignpred.format.writer as _kf
-from alignpred import CodecConfig, KvzReader, compress, fit_bank
+from alignpred import CodecConfig, ErrorBudget, KvzReader, compress, fit_bank
+from alignpred.codec import Profile
 from alignpred.format.container import parse_container
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -880,8 +881,8 @@ def test_written_headers_match_schema(kw, tmp_path):
         c = Cache(t, c.metadata, infer_layout(t, c.metadata))
     bank = fit_bank([c], rank=None, rotations=True)
     p = tmp_path / "s.kvz"
-    compress(c, p, eps=0.05, bank=bank, scope=kw.get("scope", "tensor"), config=kw.get("config"),
-             embed_bank=kw.get("embed", False))
+    compress(c, p, budget=ErrorBudget(eps=0.05, scope=kw.get("scope", "tensor")), bank=bank,
+             profile=Profile(embed_bank=kw.get("embed", False)), config=kw.get("config"))
     _validator().validate(spec_parse(p.read_bytes())["header"])
     KvzReader(p, bank=bank).read()
 

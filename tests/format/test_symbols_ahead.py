@@ -12,7 +12,7 @@ from alignpred.codec import decoder as decoder_mod
 @pytest.fixture(scope="module")
 def files(real_bank):
     caches = [load_cache(p) for p in sample_paths()[:2]]
-    return [compress(c, None, eps=0.03, bank=real_bank, profile="balanced").data for c in caches], real_bank
+    return [compress(c, None, budget=0.03, bank=real_bank, profile="balanced").data for c in caches], real_bank
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -80,7 +80,7 @@ def test_split_ranges_same_bits_layer_by_layer(files):
 
     bank = files[1]
     # 64-token objects: 7 of them in the 448-token sample, cut into 7 parts for 2 threads
-    data = compress(load_cache(sample_paths()[0]), None, eps=0.03, bank=bank, profile="fast",
+    data = compress(load_cache(sample_paths()[0]), None, budget=0.03, bank=bank, profile="fast",
                     config=CodecConfig(object_size=64)).data
     one = KvzReader(data, bank=bank, threads=1).read()
     r = KvzReader(data, bank=bank, threads=2, split=4)

@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 from conftest import synthetic_cache  # noqa: E402
 
 import alignpred.format.reader as kf  # noqa: E402
-from alignpred import CodecConfig, KvzError, KvzReader, compress, fit_bank  # noqa: E402
+from alignpred import CodecConfig, ErrorBudget, KvzError, KvzReader, compress, fit_bank  # noqa: E402
+from alignpred.codec import Profile  # noqa: E402
 from alignpred.format import container  # noqa: E402
 
 _MEM = {}
@@ -46,10 +47,11 @@ def _seeds(corpus: str):
     c2 = synthetic_cache(n_layers=2, heads=2, T=20, d=8, seed=3, roped=True)
     bank2 = fit_bank([c2], rank=None, rotations=True)
     d = tempfile.mkdtemp()
-    compress(c, os.path.join(d, "a"), eps=0.05, bank=bank, config=CodecConfig(object_size=16))
-    compress(c2, os.path.join(d, "b"), eps=0.1, bank=bank2, embed_bank=True, scope="object",
-             config=CodecConfig(object_size=8, align=True, blend=True))
-    compress(c, os.path.join(d, "c"), eps=0.05, bank=bank, config=CodecConfig(object_size=16), coder="constriction")
+    compress(c, os.path.join(d, "a"), budget=0.05, bank=bank, config=CodecConfig(object_size=16))
+    compress(c2, os.path.join(d, "b"), budget=ErrorBudget(eps=0.1, scope="object"), bank=bank2,
+             profile=Profile(embed_bank=True), config=CodecConfig(object_size=8, align=True, blend=True))
+    compress(c, os.path.join(d, "c"), budget=0.05, bank=bank, profile=Profile(coder="constriction"),
+             config=CodecConfig(object_size=16))
     os.makedirs(corpus, exist_ok=True)
     for n in "abc":
         raw = open(os.path.join(d, n), "rb").read()

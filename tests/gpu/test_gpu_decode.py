@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from conftest import ROOT, sample_paths, synthetic_cache  # noqa: E402
 
 from alignpred import Bank, CodecConfig, KvzReader, compress, fit_bank, load_cache  # noqa: E402
+from alignpred.codec import Profile
 from alignpred.errors import FormatError  # noqa: E402
 from alignpred.gpu import decoder as GD  # noqa: E402
 from alignpred.gpu import entropy as GE  # noqa: E402
@@ -127,7 +128,7 @@ def _small(tmp_path, coder, T=80, **cfg):
     c = synthetic_cache(n_layers=2, heads=2, T=T, d=32, roped=True, seed=3)
     bank = fit_bank([synthetic_cache(n_layers=2, heads=2, T=T, d=32, roped=True, seed=5)], rank=4)
     p = tmp_path / f"{coder}.kvz"
-    compress(c, p, eps=0.05, bank=bank, coder=coder, trust_rope=True,
+    compress(c, p, budget=0.05, bank=bank, profile=Profile(coder=coder, trust_rope=True),
              config=CodecConfig(object_size=32, sink_tokens=2, **cfg))
     return KvzReader(p, bank=bank, threads=1)
 
@@ -257,7 +258,7 @@ def test_bundled_samples(tmp_path, path, real_bank):
 
 def _check_cache(tmp_path, cache, bank, bs: int = 16, plain: bool = True):
     p = tmp_path / "c.kvz"
-    compress(cache, p, eps=0.03, bank=bank, profile="balanced")
+    compress(cache, p, budget=0.03, bank=bank, profile="balanced")
     r = KvzReader(p, bank=bank, threads=1)
     want = _cpu_plain(r)
     if plain:

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from alignpred import Bank, KvzReader, compress, load_cache  # noqa: E402
+from alignpred import Bank, ErrorBudget, KvzReader, compress, load_cache  # noqa: E402
 from alignpred.bank import lookup, sensitivity  # noqa: E402
 from kvz.integrations.hf.calibrate import calibrate_model, model_name, read_texts, register  # noqa: E402
 from kvz.integrations.hf.capture import capture_model  # noqa: E402
@@ -105,12 +105,12 @@ def test_calibrate_tiny_model_end_to_end(tmp_path, bank_dir):
     held = tmp_path / "held.safetensors"
     capture_model(model, None, _ids(200, 3), held, model_id="tiny-llama")
     cache = load_cache(held)
-    info = compress(cache, tmp_path / "h.kvz", eps=EPS, bank="tiny")
+    info = compress(cache, tmp_path / "h.kvz", budget=EPS, bank="tiny")
     per = KvzReader(str(tmp_path / "h.kvz"), bank="tiny").summary()["tensors"]
     assert max(t["nrmse"] for t in per.values()) <= EPS * (1 + 1e-9)
     assert info.bpv < 16
     target = 0.5 * EPS ** 2 * rec["kl_per_nrmse2"]  # a random model is insensitive: ask for half the KL at EPS
-    kl = compress(cache, tmp_path / "k.kvz", target_kl=target, bank="tiny")
+    kl = compress(cache, tmp_path / "k.kvz", budget=ErrorBudget(target_kl=target), bank="tiny")
     assert kl.scope == "weighted" and kl.eps == pytest.approx(EPS / 2 ** 0.5)
     assert kl.kl_predicted <= target * (1 + 1e-6)
 
@@ -167,11 +167,11 @@ def test_cli_calibrate_smollm2_then_held_out_meets_eps(tmp_path, bank_dir):
     capture_model(model, tok, (TEXTS / "german-prose.txt").read_text(encoding="utf-8"), held,
                   model_id="SmolLM2-135M-Instruct", max_tokens=256)
     cache = load_cache(held)
-    info = compress(cache, tmp_path / "h.kvz", eps=EPS, bank="smol")
+    info = compress(cache, tmp_path / "h.kvz", budget=EPS, bank="smol")
     per = KvzReader(str(tmp_path / "h.kvz"), bank="smol").summary()["tensors"]
     assert len(per) == 60 and max(t["nrmse"] for t in per.values()) <= EPS * (1 + 1e-9)
     assert info.bpv < 8
-    kl = compress(cache, tmp_path / "k.kvz", target_kl=1e-3, bank="smol")
+    kl = compress(cache, tmp_path / "k.kvz", budget=ErrorBudget(target_kl=1e-3), bank="smol")
     assert kl.scope == "weighted" and kl.kl_predicted <= 1e-3 * (1 + 1e-6)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from kvz_test_helpers import synthetic_cache
 
-from alignpred import ChecksumError, KvzError, KvzReader, compress_bytes, fit_bank
+from alignpred import ChecksumError, ErrorBudget, KvzError, KvzReader, compress_bytes, fit_bank
 from kvz.integrations.pager import ArraySource, KvPager, KvzSource, kv_bytes
 
 T, L, H, D = 700, 4, 2, 16  # 3 objects: 256, 256, 188 positions
@@ -18,7 +18,7 @@ T, L, H, D = 700, 4, 2, 16  # 3 objects: 256, 256, 188 positions
 def kvz():
     cache = synthetic_cache(n_layers=L, heads=H, T=T, d=D, seed=3)
     bank = fit_bank([cache], rank=None)
-    blob = compress_bytes(cache, eps=0.05, bank=bank)
+    blob = compress_bytes(cache, budget=0.05, bank=bank)
     return cache, bank, blob, KvzReader(blob, bank=bank).read()
 
 
@@ -271,7 +271,7 @@ def test_two_tier_file(kvz):
     from alignpred import KvzError as _E
 
     try:
-        blob = compress_bytes(cache, eps=0.05, bank=bank, lossless=True)
+        blob = compress_bytes(cache, budget=ErrorBudget(eps=0.05, lossless=True), bank=bank)
     except (TypeError, _E) as e:
         pytest.skip(f"no lossless tier in this codec ({e})")
     if "exact" not in getattr(KvzReader(blob, bank=bank), "tiers", ()):

@@ -301,12 +301,12 @@ def test_verifier_pages_a_kvz_file():
     n0, first, N = len(ids) - 1, ids[-1], 12
     cache = Cache.from_arrays({k: v.numpy() for k, v in tensors.items()}, meta)
     bank = fit_bank([cache], rank=None)
-    stored = compress_bytes(cache, eps=0.01, bank=bank)
+    stored = compress_bytes(cache, budget=0.01, bank=bank)
     dec_kv = KvzReader(stored, bank=bank).read()
     stored_kv = [(torch.from_numpy(np.array(dec_kv[f"layers.{i}.key"])),
                   torch.from_numpy(np.array(dec_kv[f"layers.{i}.value"]))) for i in range(3)]
     ref, _ = greedy_reference(model, stored_kv, first, N)
-    draft = DraftCache.from_kvz(compress_bytes(cache, eps=0.2, bank=bank), bank=bank)
+    draft = DraftCache.from_kvz(compress_bytes(cache, budget=0.2, bank=bank), bank=bank)
     assert draft.kind == "kvz" and draft.resident_bytes < draft.dense_bytes
     with KvPager(budget_bytes=0, workers=2) as pager:  # budget 0: every verify decodes straight into staging
         src = KvzSource(stored, bank=bank)
@@ -411,7 +411,7 @@ def test_gemma_drafters_are_lossless(gemma):
                torch.from_numpy(np.asarray(cache.tensors[f"layers.{i}.value"], np.float32)))
               for i in range(cache.layout.num_layers)]
     ref, _ = greedy_reference(model, ctx_kv, first, 10)
-    drafts = [DraftCache.from_kvz(compress_bytes(cache, eps=0.1, bank="gemma-3-270m")),
+    drafts = [DraftCache.from_kvz(compress_bytes(cache, budget=0.1, bank="gemma-3-270m")),
               DraftCache.token_dropped(ctx_kv, snapkv_keep(model, ctx, ctx_kv, 0.5))]
     with KvPager(budget_bytes=1 << 26) as pager:
         pager.add("ctx", ArraySource(cache))

@@ -49,7 +49,7 @@ def run(a) -> dict:
 
     import numpy as np
 
-    from alignpred import KvzReader, compress, load_cache
+    from alignpred import ErrorBudget, KvzReader, compress, load_cache
 
     if a.caches:
         caches, dataset = a.caches, "given"
@@ -70,7 +70,7 @@ def run(a) -> dict:
         for scope in a.scopes.split(","):
             out = os.path.join(tmp, "x.kvz")
             t0 = time.perf_counter()
-            info = compress(c, out, eps=a.eps, bank=bank, scope=scope)
+            info = compress(c, out, budget=ErrorBudget(eps=a.eps, scope=scope), bank=bank)
             enc = time.perf_counter() - t0
             r = KvzReader(out, bank=bank)
             _ = r.decoder  # resolve the bank outside the timed region

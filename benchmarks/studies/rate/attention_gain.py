@@ -222,7 +222,7 @@ def _layer_rows(kv, rec, st, stats, G, bank, spec, G_plain=None) -> list[dict]:
 
 
 def measure(docs, tokens: int, eps: float, bank_name: str, sidecar: Path | None) -> dict:
-    from alignpred import Cache, KvzReader, compress, resolve_bank
+    from alignpred import Cache, ErrorBudget, KvzReader, compress, resolve_bank
     from alignpred.bank import AttentionStats
     from kvz.integrations.hf.capture import cache_metadata
     from kvz.integrations.hf.querystats import capture_with_stats, value_grams
@@ -242,7 +242,7 @@ def measure(docs, tokens: int, eps: float, bank_name: str, sidecar: Path | None)
         kv = {k: t.float().numpy() for k, t in tensors.items()}
         meta = cache_metadata(info["layer_types"], rope_thetas(m, spec), ids, name, model="gemma-3-270m", rope=spec)
         cache = Cache.from_arrays(tensors, metadata=meta)
-        ci = compress(cache, None, eps=eps, bank=bank, scope="tensor")
+        ci = compress(cache, None, budget=ErrorBudget(eps=eps, scope="tensor"), bank=bank)
         rec = KvzReader(ci.data).read()
         rows = _layer_rows(kv, rec, st, stats, G, bank, spec, grams["gram"])
         per_doc.append({"doc": name, "tokens": tokens, "bpv": ci.bpv, "layers": rows})

@@ -80,13 +80,14 @@ def _sizes(spec: str) -> list[tuple[int, int]]:
     return out
 
 
-def _compress(cache, bank, folder: str, name: str, **kw) -> dict:
+def _compress(cache, bank, folder: str, name: str, budget, embed_bank: bool = False) -> dict:
     from alignpred import KvzReader, compress
+    from alignpred.codec import Profile
 
     path = os.path.join(folder, f"{name}.kvz")
     t0 = time.perf_counter()
-    info = compress(cache, path, bank=bank, **kw)
-    s = KvzReader(path, bank=None if kw.get("embed_bank") else bank).summary()
+    info = compress(cache, path, budget=budget, bank=bank, profile=Profile(embed_bank=embed_bank))
+    s = KvzReader(path, bank=None if embed_bank else bank).summary()
     per = {k: v["nrmse"] for k, v in s["tensors"].items()}
     eps = info.eps
     return {"bpv": info.bpv, "file_bytes": info.file_bytes, "eps": eps, "scope": info.scope,
@@ -99,7 +100,7 @@ def measure(*, model_path=None, sizes=SIZES, held_tokens: int = 1024, eps: float
         command: str = "", sensitivity_at: int = 1, partial=None) -> dict:
     """The measurements; ``sensitivity_at``: index in ``sizes`` of the bank that also gets its sensitivity
     record and the ``target_kl`` check; ``partial(result)`` is called after every row (results so far)."""
-    from alignpred import fit_bank, load_cache
+    from alignpred import ErrorBudget, fit_bank, load_cache
     from kvz.integrations.hf.calibrate import calibrate_model, model_name, read_texts
     from kvz.integrations.hf.capture import capture_model, load_model, tokenize
     from kvz.integrations.hf.sensitivity import write_sensitivity
@@ -135,12 +136,12 @@ def measure(*, model_path=None, sizes=SIZES, held_tokens: int = 1024, eps: float
             res.bank.save(bpath)
             row = {"texts": k, "tokens_per_text": n, "tokens": res.tokens, "bank_bytes": os.path.getsize(bpath),
                    "bank_id": res.bank.id, "bank_model": res.bank.model, "fit_seconds": res.seconds}
-            row.update(_compress(cache, res.bank, d, f"{k}x{n}", eps=eps, scope="tensor"))
+            row.update(_compress(cache, res.bank, d, f"{k}x{n}", ErrorBudget(eps=eps, scope="tensor")))
             if last:
                 os.environ["KVZ_BANK_PATH"] = d  # the registry finds the bank and its record there
                 write_sensitivity(res.sensitivity, Path(bpath).with_suffix(".sensitivity.json"))
                 target = eps ** 2 * res.sensitivity["kl_per_nrmse2"]
-                tk = _compress(cache, res.bank, d, "target-kl", target_kl=target)
+                tk = _compress(cache, res.bank, d, "target-kl", ErrorBudget(target_kl=target))
                 row["target_kl"] = {"target": target, **tk}
                 row["sensitivity"] = {kk: res.sensitivity[kk] for kk in ("kl_per_nrmse2", "n_prompts", "context",
                                                                         "score_tokens", "check", "seconds")}
@@ -150,7 +151,7 @@ def measure(*, model_path=None, sizes=SIZES, held_tokens: int = 1024, eps: float
             log(f"{k} x {n}: {row['bpv']:.3f} bpv, worst tensor {row['nrmse_max_tensor']:.4f}, "
                 f"bank {row['bank_bytes']} bytes")
         bank = fit_bank([cache], rank=16, rotations=False)
-        selfc = _compress(cache, bank, d, "self", eps=eps, scope="tensor", embed_bank=True)
+        selfc = _compress(cache, bank, d, "self", ErrorBudget(eps=eps, scope="tensor"), embed_bank=True)
         log(f"self-calibrated: {selfc['bpv']:.3f} bpv")
     return _result(locals(), rows, selfc)
 

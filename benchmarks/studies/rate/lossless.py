@@ -20,7 +20,7 @@ from kvz.benchmarks.harness import RESULTS, default_caches, parser, run_study
 def measure(paths, eps_list, bank="gemma-3-270m") -> list[dict]:
     import numpy as np
 
-    from alignpred import KvzReader, compress, load_cache
+    from alignpred import ErrorBudget, KvzReader, compress, load_cache
     from kvz.benchmarks.baselines import BASELINES
 
     rows = []
@@ -30,7 +30,7 @@ def measure(paths, eps_list, bank="gemma-3-270m") -> list[dict]:
         n = c.layout.n_values
         for eps in eps_list:
             t0 = time.perf_counter()
-            info = compress(c, None, eps=eps, bank=bank, lossless=True)
+            info = compress(c, None, budget=ErrorBudget(eps=eps, lossless=True), bank=bank)
             enc = time.perf_counter() - t0
             r = KvzReader(info.data)
             s = r.summary()

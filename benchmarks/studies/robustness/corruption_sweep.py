@@ -129,6 +129,7 @@ def main(argv=None) -> int:
 def run(args) -> dict:
     """One sample compressed, then every ``args.stride``-th byte corrupted and the file checked."""
     from alignpred import compress, fit_bank, load_cache
+    from alignpred.codec import Profile
 
     cache = load_cache(args.sample)
     if args.embed:
@@ -139,7 +140,7 @@ def run(args) -> dict:
         bank = fit_bank([load_cache(p) for p in others] or [cache], rank=16, rotations=False)
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "sweep.kvz")
-        info = compress(cache, out, eps=args.eps, bank=bank, embed_bank=args.embed)
+        info = compress(cache, out, budget=args.eps, bank=bank, profile=Profile(embed_bank=args.embed))
         raw = open(out, "rb").read()
     masks = (None,) if args.masks == "random" else tuple(int(m, 0) for m in args.masks.split(","))
     print(f"{args.sample}: {len(raw)} bytes ({info.bpv:.3f} bpv), bank {'embedded' if args.embed else 'external'}, "

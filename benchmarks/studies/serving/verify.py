@@ -51,10 +51,10 @@ __all__ = ["run", "summarize", "looping", "simulate_rows", "format_markdown", "m
 def two_tier_bytes(cache, eps: float, bank):
     """A two-tier .kvz of ``cache`` (the coarse tier at ``eps`` + the exact refinement tier:
     ``compress(..., lossless=True)``), or None when the codec has no tiers."""
-    from alignpred import KvzError, KvzReader, compress_bytes
+    from alignpred import ErrorBudget, KvzError, KvzReader, compress_bytes
 
     try:
-        blob = compress_bytes(cache, eps=eps, bank=bank, lossless=True)
+        blob = compress_bytes(cache, budget=ErrorBudget(eps=eps, lossless=True), bank=bank)
     except (TypeError, KvzError):
         return None
     return blob if "exact" in tuple(getattr(KvzReader(blob, bank=bank), "tiers", ())) else None
@@ -156,7 +156,7 @@ def measure(*, n_prompts=20, prompt_tokens=256, new_tokens=64, xs=(8, 16, 32), e
                 sources[key] = ("kvz-exact", lambda b=blob2: KvzSource(b, tier="exact"))
             else:  # no tiers in this codec: a lossy file drafts, the raw cache verifies
                 from alignpred import compress_bytes
-                drafters[key] = DraftCache.from_kvz(compress_bytes(cache, eps=s["draft_eps"], bank=BANK))
+                drafters[key] = DraftCache.from_kvz(compress_bytes(cache, budget=s["draft_eps"], bank=BANK))
         for s in settings:
             key = (s["drafter"], s["draft_eps"], s["keep_frac"])
             if s["drafter"] == "kvz" or key in drafters:

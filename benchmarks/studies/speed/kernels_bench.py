@@ -268,7 +268,7 @@ def rans_speed(reps: int, quick: bool) -> dict:
 
     bank = _bank()
     cache = load_cache(WARM_SAMPLE)
-    raw = compress_bytes(cache, eps=EPS, bank=bank)
+    raw = compress_bytes(cache, budget=EPS, bank=bank)
     r = KvzReader(raw, bank=bank)
     coder = r.header["codec"]["entropy"]["coder"]
     C = r.layout.kv_heads * r.layout.head_dim

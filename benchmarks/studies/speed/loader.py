@@ -49,7 +49,7 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int 
     c = load_cache(path)
     lay = c.layout
     T = lay.n_tokens
-    blob = compress_bytes(c, eps=eps, bank=bank)
+    blob = compress_bytes(c, budget=eps, bank=bank)
     session = DecoderSession(banks=[bank])
     r = KvzReader(blob, session=session, threads=threads)
     names = lay.tensor_names()
@@ -75,7 +75,7 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int 
         t = {n: np.ascontiguousarray(np.asarray(c.tensors[n])[..., a:b, :]) for n in names}
         meta = dict(c.metadata, position_offset=str(lay.position_offset + a))
         meta.pop("token_ids", None)
-        files.append((a, b, compress_bytes(Cache.from_arrays(t, meta), eps=eps, bank=bank)))
+        files.append((a, b, compress_bytes(Cache.from_arrays(t, meta), budget=eps, bank=bank)))
 
     def chunk_files():
         for a, b, data in files:

@@ -302,7 +302,7 @@ def main(argv=None) -> dict:
 def run(a) -> dict:
     """Every rank variant's bits and multiply-adds; the factored variants and their dense twins timed."""
     limit_threads(1)
-    from alignpred import compress_bytes, fit_bank
+    from alignpred import ErrorBudget, compress_bytes, fit_bank
 
     from .map_sources import calib_and_eval
 
@@ -316,7 +316,7 @@ def run(a) -> dict:
     full_macs = sum(st.dense() for st in stats.values()) / per_token
 
     def bits(bk):
-        blobs = [(n, compress_bytes(c, eps=a.eps, bank=bk, scope="tensor"), c.layout.n_values) for n, c in ev]
+        blobs = [(n, compress_bytes(c, budget=ErrorBudget(eps=a.eps, scope="tensor"), bank=bk), c.layout.n_values) for n, c in ev]
         return {n: 8 * len(b) / nv for n, b, nv in blobs}, [b for _, b, _ in blobs]
 
     rows, blobs_of = [], {}

@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
 
 def run(a) -> dict:
     """Every source set's bank, bits and interleaved one-thread decode speed."""
-    from alignpred import KvzReader, compress_bytes, fit_bank
+    from alignpred import ErrorBudget, KvzReader, compress_bytes, fit_bank
 
     calib, cal, ev = calib_and_eval(a)
     lay = ev[0][1].layout
@@ -102,7 +102,7 @@ def run(a) -> dict:
         t0 = time.perf_counter()
         bank = fit_bank(cal, rank=None, eps_cal=0.03, sources=src)
         fit_s = time.perf_counter() - t0
-        blobs = [(n, compress_bytes(c, eps=a.eps, bank=bank, scope="tensor"), c.layout.n_values) for n, c in ev]
+        blobs = [(n, compress_bytes(c, budget=ErrorBudget(eps=a.eps, scope="tensor"), bank=bank), c.layout.n_values) for n, c in ev]
         bpv = {n: 8 * len(b) / nv for n, b, nv in blobs}
         rows.append({"variant": name, "sources": src, "bank_id": bank.id, "fit_s": fit_s,
                      "macs_per_value": macs_per_value(lay, src), "bpv": bpv,
