@@ -67,6 +67,7 @@ class RedisClusterServer:
         self.ids: list[str] = []
         self.tls = dict(tls) if tls else None
         self.tls_ports: list[int] = []
+        self.announced: dict[int, int] = {}  # node index -> the port it announces (announce_ports)
 
     # ---- addresses -----------------------------------------------------------------------------
     @property
@@ -234,7 +235,8 @@ class RedisClusterServer:
                 for lo, hi, *_ in c.execute_command("CLUSTER", "SLOTS"):
                     if int(lo) <= slot <= int(hi):
                         port = int(_[0][1])
-                        return next(j for j, n in enumerate(self.nodes) if n.port == port)
+                        return next(j for j, n in enumerate(self.nodes)
+                                    if self.announced.get(j, n.port) == port)
             finally:
                 c.close()
         raise RuntimeError(f"no running node serves slot {slot}")
@@ -243,6 +245,37 @@ class RedisClusterServer:
         from redis.crc import key_slot
 
         return self.master_of_slot(key_slot(key.encode() if isinstance(key, str) else key))
+
+    def announce_ports(self, ports: dict[int, int], timeout: float = 15.0) -> None:
+        """Make node ``i`` announce port ``ports[i]`` to clients and peers (``cluster-announce-port``:
+        what CLUSTER SLOTS / SHARDS and redirects name), e.g. a TCP proxy in front of it, so that a
+        cluster client reaches every node through its proxy; waits until every running node's slot
+        map names the announced ports. ``{i: node.port}`` undoes it. The cluster bus keeps its own port
+        (node port + 10000). Replicas follow their master's announced address: give every node a
+        proxy, or use ``replicas=0``."""
+        for i, port in ports.items():
+            c = self.client(i)
+            try:
+                c.execute_command("CONFIG", "SET", "cluster-announce-port", int(port))
+            finally:
+                c.close()
+            self.announced[i] = int(port)
+
+        def agreed() -> bool:
+            want = {self.announced.get(j, n.port) for j, n in enumerate(self.nodes) if n.running}
+            for i, n in enumerate(self.nodes):
+                if not n.running:
+                    continue
+                c = self.client(i, timeout=0.5)
+                try:
+                    seen = {int(node[1]) for row in c.execute_command("CLUSTER", "SLOTS") for node in row[2:]}
+                finally:
+                    c.close()
+                if not seen <= want:
+                    return False
+            return True
+
+        self._wait(agreed, "the announced ports to reach every node", timeout)
 
     def migrate_slot(self, slot: int, dst: int, *, batch: int = 50, pause_s: float = 0.0) -> int:
         """Move ``slot`` to master ``dst`` as ``redis-cli --cluster reshard`` does (SETSLOT IMPORTING /

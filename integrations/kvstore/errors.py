@@ -57,7 +57,7 @@ def describe_error(exc: BaseException) -> tuple[str, type]:
     """A one-line reason for a failed Redis call, and the warning category it is reported with."""
     import redis.exceptions as rex
 
-    text = str(exc)
+    text = " ".join(str(exc).split())  # one line, whatever the server or the client library wrote
     if isinstance(exc, rex.AuthenticationError) or \
             any(s in text for s in ("WRONGPASS", "NOAUTH", "invalid username", "Authentication required",
                                     "authenticate the client")):

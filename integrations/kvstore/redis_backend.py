@@ -225,7 +225,7 @@ class RedisBackend(RedisMaintenance, ChunkBackend):
             reason, category = describe_error(e)
             if category is StoreUnavailableWarning:
                 t = time.monotonic()
-                if k in ("all", "multi"):
+                if k in ("all", "multi") or self._client is None:  # no client: no node was reached at all
                     self._down_at["all" if self._whole_store_down(e) else k] = t
                 else:  # every shard of that node rests, not only this one
                     self._down_at[node if node is not None and node in str(e) else k] = t

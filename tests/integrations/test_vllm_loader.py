@@ -167,6 +167,13 @@ def test_deadline_cancels_and_no_late_write(tmp_path, sample):
     assert all(t <= cancelled_at for t, *_ in writes) and len(writes) < 18
 
 
+def _stop_at_layer_2(stop):
+    def on_write(i):
+        if i == 2:
+            stop()
+    return on_write
+
+
 def test_redis_stopped_between_two_layers(sample):
     require_redis()
     from kvz.benchmarks.link_proxy import LinkProxy
@@ -178,16 +185,60 @@ def test_redis_stopped_between_two_layers(sample):
             n, segs = store.lookup(ids, N_BLOCKS)
             assert n == N_BLOCKS
 
-            def on_write(i):
-                if i == 2:
-                    srv.stop()
-
             with pytest.warns(Warning):
-                step, th, writes = _step(store, segs, on_write=on_write)
+                step, th, writes = _step(store, segs, on_write=_stop_at_layer_2(srv.stop))
                 _forward(step)
                 th.join(30)
             assert step.finish(True) == {0, 1, 2}
             assert 3 <= len(writes) < 18
+
+
+@pytest.mark.parametrize("how", ["kill", "pause"])
+def test_cluster_master_stopped_between_two_layers(sample, how):
+    """The run's master of a 3-master Redis Cluster (every node behind a 20 Mbit/s proxy of its own, so
+    the load is still crossing the link) is SIGKILLed or SIGSTOPped (a partition) once layer 2 is
+    written: the load fails, every block of it is reported for recompute, nothing after the failure
+    is written, one StoreUnavailableWarning, and the step ends well within its deadline."""
+    require_redis()
+    import warnings
+
+    from kvz_test_helpers import cluster_behind_proxies
+
+    from kvz.integrations.kvstore import RedisClusterServer, StoreUnavailableWarning, StoreWarning, open_url
+
+    deadline_s = 10.0
+    cl = RedisClusterServer(masters=3, replicas=0).start()
+    victim = None
+    try:
+        ids = _filled(_store(open_url(cl.url + "?namespace=loader"), sample), sample)  # written at full speed
+        with cluster_behind_proxies(cl, 20e6) as (url, proxies):
+            backend = open_url(url + "?namespace=loader", socket_timeout=0.5, reconnect_interval=0.5)
+            store = _store(backend, sample)
+            n, segs = store.lookup(ids, N_BLOCKS)
+            assert n == N_BLOCKS and len(segs) == 1
+            victim = cl.master_of_key(backend.entry_key(segs[0].run_key))
+            before = proxies[victim].stats()["bytes_down"]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                t0 = time.monotonic()
+                step, th, writes = _step(store, segs, deadline_s, on_write=_stop_at_layer_2(
+                    lambda: (cl.kill if how == "kill" else cl.pause)(victim)))
+                _forward(step)
+                th.join(30)
+                elapsed = time.monotonic() - t0
+            assert not th.is_alive()
+            assert proxies[victim].stats()["bytes_down"] > before  # the load read from that master
+            assert step.finish(True) == {0, 1, 2} and not step.cancelled  # failed, not timed out
+            assert 3 <= len(writes) < 18 and [w[1] for w in writes] == list(range(len(writes)))
+            ours = [str(w.message) for w in caught if issubclass(w.category, StoreWarning)]
+            assert len(ours) == 1 and issubclass(
+                next(w.category for w in caught if issubclass(w.category, StoreWarning)), StoreUnavailableWarning), ours
+            assert elapsed < deadline_s, elapsed
+            backend.close()
+    finally:
+        if victim is not None and how == "pause":
+            cl.resume(victim)
+        cl.close()
 
 
 def test_load_cores():

@@ -9,7 +9,10 @@ Phase 1 (in parallel): an engine without a connector (the reference), a writer i
 directory store, a writer into Redis. The test then damages two stored runs. Phase 2: a reader of
 the directory store and a reader of Redis behind a 2 Mbit/s link with a 3 s deadline. Phase 3: a
 reader of Redis behind an 8 Mbit/s link whose server the test stops once part of the load has
-crossed the link."""
+crossed the link. On a 3-master Redis Cluster (``cluster_runs``, its own engines: ``-k cluster`` runs
+only them): a reference and a writer, then a reader whose every cluster node is behind an 8 Mbit/s
+proxy of its own; the test SIGKILLs the master of the stored run's slot once part of the load has
+crossed that master's link."""
 import hashlib
 import json
 import os
@@ -167,6 +170,69 @@ def test_redis_stopped_between_layers_recomputes(runs):
     assert r2["delta"]["failed_blocks"] == 4
     st = runs["redis_stop"]["connector"]["stats"]
     assert st["profile"]["setting"] == "auto"
+
+
+CLUSTER_DEADLINE_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def cluster_runs(tmp_path_factory, gemma_hf_dir):
+    require_redis()
+    from kvz_test_helpers import cluster_behind_proxies
+
+    from kvz.integrations.kvstore import RedisClusterBackend, RedisClusterServer
+
+    tmp = tmp_path_factory.mktemp("vllm-layerwise-cluster")
+    P = _prompts(gemma_hf_dir)
+    cores = sorted(os.sched_getaffinity(0))
+    c0, c1 = cores[0], cores[-1]
+    ns = {"namespace": "layerwise"}
+    out: dict = {}
+    with RedisClusterServer(masters=3, replicas=0) as cl:  # no replica: it would replicate through the proxies
+        out.update(_wait({"ref": _spec(tmp, "ref", gemma_hf_dir, [P["R2"]], None, c0),
+                          "write": _spec(tmp, "write", gemma_hf_dir, [P["R2"]], {"store": cl.url, **ns}, c1)}))
+        run = _run_of(out["write"], 0)[0]
+        be = RedisClusterBackend(cl.url, **ns)
+        victim = cl.master_of_key(be.entry_key(run["key"]))  # the master of the run's slot
+        be.close()
+        out["_run"], out["_victim"] = run, victim
+        threshold = max(200_000, run["bytes"] // 5)
+        with cluster_behind_proxies(cl, 8e6) as (url, proxies):
+            killed: dict = {}
+
+            def watch():
+                while proxies[victim].stats()["bytes_down"] < threshold:
+                    if killed.get("end"):
+                        return
+                    time.sleep(0.01)
+                killed["at_bytes"] = proxies[victim].stats()["bytes_down"]
+                cl.kill(victim)
+
+            w = threading.Thread(target=watch, daemon=True)
+            w.start()
+            out.update(_wait({"read": _spec(tmp, "read", gemma_hf_dir, [P["R2"]],
+                                            {"store": url, "read_only": True, "load_deadline_s": CLUSTER_DEADLINE_S,
+                                             **ns}, c1)}))
+            killed["end"] = True
+            w.join(5)
+            out["_killed"] = killed
+    return out
+
+
+def test_redis_cluster_master_killed_between_layers_recomputes(cluster_runs):
+    """The master that holds the run's slot dies while the load crosses its link: the load's blocks
+    come back through get_block_ids_with_load_errors and are recomputed, the greedy tokens are the
+    no-connector engine's, and the forward waited no longer than the load deadline."""
+    r = cluster_runs
+    assert r["_killed"].get("at_bytes"), "the master was never killed: the load did not cross its link"
+    run = r["_run"]
+    assert run["blocks"] == 4, run
+    got = r["read"]["results"][0]
+    print("killed at", r["_killed"]["at_bytes"], "of", run["bytes"], "bytes; delta", json.dumps(got["delta"])[:400])
+    print("reader warnings:", r["read"]["warnings"][:6])
+    assert got["tokens"] == _tokens(r, "ref", 0)
+    assert got["delta"]["failed_blocks"] == 4 and got["delta"]["loaded_blocks"] == 0, got["delta"]
+    assert got["delta"]["blocked_s"] < CLUSTER_DEADLINE_S + 1.0, got["delta"]
 
 
 def test_writers_chose_a_profile_and_report_it(runs):
