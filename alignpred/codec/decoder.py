@@ -235,8 +235,9 @@ class Decoder(Chain):
         layer_of = [layer for layer, _ in lay.tensors() if layer <= last]
         n_tensors = len(layer_of)
         n_values = n_tensors * H * d * n_rows
-        if ahead is None or n_values * 4 > _AHEAD_MAX_BYTES:
-            yield from self._tensors(metas, fetch, j0, j1, n_rows, wanted, last, out, refine_fetch, None)
+        needed = self.needed(wanted)
+        if ahead is None or n_values * 4 > _AHEAD_MAX_BYTES or len(needed) < n_tensors:
+            yield from self._tensors(metas, fetch, j0, j1, n_rows, wanted, last, out, refine_fetch, None, needed)
             return
         raw = _take_ahead_buffer(n_values)
         q_all = raw[:n_values].reshape(n_tensors, H * d, n_rows)
@@ -246,13 +247,42 @@ class Decoder(Chain):
 
         pre = _SymbolsAhead(work, n_tensors, ahead)
         try:
-            yield from self._tensors(metas, fetch, j0, j1, n_rows, wanted, last, out, refine_fetch, pre)
+            yield from self._tensors(metas, fetch, j0, j1, n_rows, wanted, last, out, refine_fetch, pre, needed)
         finally:
             pre.close()   # the other thread is done with the buffer before it is reused
             _give_ahead_buffer(raw)
 
-    def _tensors(self, metas, fetch, j0: int, j1: int, n_rows: int, wanted: set, last: int, out, refine_fetch, pre):
-        """:meth:`decode_range`'s tensor loop (``pre``: symbols decoded ahead, or None)."""
+    def needed(self, layers) -> frozenset:
+        """The tensor indices a decode of ``layers`` reconstructs: their own and, transitively, those
+        their predictions read (the plans' ``sources``: cross-layer and K->V maps). Without maps a
+        layer needs only its own tensors, so a decode of some layers reads and decodes nothing else
+        (the same bits: a tensor's reconstruction depends only on the tensors it is predicted from).
+        """
+        key = frozenset(int(i) for i in layers)
+        memo = self.__dict__.setdefault("_needed_memo", {})
+        got = memo.get(key)
+        if got is None:
+            lay = self.layout
+            ts = lay.tensors()
+            of_block = {Block(layer, kind, h).name: ti for ti, (layer, kind) in enumerate(ts)
+                        for h in range(lay.kv_heads)}
+            need = {ti for ti, (layer, _) in enumerate(ts) if layer in key}
+            todo = list(need)
+            while todo:
+                layer, kind = ts[todo.pop()]
+                for h in range(lay.kv_heads):
+                    for src in self.plans[Block(layer, kind, h).name].sources:
+                        ti = of_block[src]
+                        if ti not in need:
+                            need.add(ti)
+                            todo.append(ti)
+            got = memo[key] = frozenset(need)
+        return got
+
+    def _tensors(self, metas, fetch, j0: int, j1: int, n_rows: int, wanted: set, last: int, out, refine_fetch, pre,
+                 needed=None):
+        """:meth:`decode_range`'s tensor loop (``pre``: symbols decoded ahead, or None; ``needed``:
+        the tensors to reconstruct, :meth:`needed`; None: every one up to ``last``)."""
         lay = self.layout
         S = self.config.object_size
         H, d = lay.kv_heads, lay.head_dim
@@ -264,6 +294,8 @@ class Decoder(Chain):
         for ti, (layer, kind) in enumerate(lay.tensors()):
             if layer > last:
                 break
+            if needed is not None and ti not in needed:
+                continue
             meta = metas[ti]
             if pre is not None:
                 q, delta_rows, zr, any_zero = pre.get(ti)
@@ -272,8 +304,11 @@ class Decoder(Chain):
             emit = layer in wanted
 
             dst: Any = None
+            final: Any = None  # the caller's buffer where the refinement needs the native dtype first
             if emit:
                 dst = out(ti) if out is not None else np.empty((H, n_rows, d), self.frame.out_dtype)
+                if refine_fetch is not None and dst.dtype != self.frame.out_dtype:  # it refines native bits
+                    final, dst = dst, np.empty((H, n_rows, d), self.frame.out_dtype)
             for h in range(H):
                 blk = Block(layer, kind, h)
                 plan = self.plans[blk.name]
@@ -314,6 +349,9 @@ class Decoder(Chain):
                 if refine_fetch is not None:
                     with self._stage("refine"):
                         self._refine(dst, meta, refine_fetch, ti, j0, j1)
+                if final is not None:
+                    final[...] = dst
+                    dst = final
                 yield ti, meta.name, dst
 
     def _block_exact(self, base, qh, delta_rows, zr, modes, blk, start: int, dst, chan=None):

@@ -35,9 +35,9 @@ forward does while it waits for a layer; default ``auto``: the cores that are no
 waits per layer; False: every load completes before the forward starts), ``decode_process``
 (default True: loads decode in kvz's own process on the load cores, out of the engine's GIL:
 :mod:`~kvz.integrations.vllm.decode_worker`; False, or a process that fails: in the load thread),
-``switch_interval_s`` (default 0.0002: the interpreter's switch interval while the load thread
-decodes, restored after; measured in :class:`~kvz.integrations.vllm.loader.StepLoad`), ``sync_save`` (encode in
-the step instead of a background thread), ``read_only`` (load, never store), ``store_after_lossy``
+``window_loads`` (``auto``/``on``/``off``: :mod:`~kvz.integrations.vllm.window`), ``switch_interval_s``
+(default 0.0002: the load thread's interpreter switch interval; :class:`~kvz.integrations.vllm.loader.StepLoad`),
+``sync_save`` (encode in the step, not in a background thread), ``read_only``, ``store_after_lossy``
 (also store blocks computed on top of lossy loaded KV; default off: a prefix hit then stays within
 eps of what the model computes), ``debug_dir`` (write the KV read back from the engine's blocks
 after each load/save, for tests).
@@ -61,6 +61,7 @@ from .meta import KvzConnectorMetadata, LoadSpec, RequestState, SaveSpec
 from .model import model_info
 from .paged import PagedLayout, debug_dump
 from .store import BlockStore, open_backend, warn
+from .window import load_starts, window_setting
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -147,6 +148,9 @@ class KvzConnector(KVConnectorBase_V1):
         self._load_pool: ThreadPoolExecutor | None = None
         self._load_future = None
         self.layerwise = bool(get("layerwise", True))
+        self.windows, self.window_reason = window_setting(
+            info["layer_types"], getattr(vllm_config.model_config.hf_text_config, "sliding_window", None),
+            bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)), str(get("window_loads", "auto")))
         self.load_deadline_s = float(get("load_deadline_s", 30.0))
         sw = get("switch_interval_s", 2e-4)  # see the module docstring
         self.switch_interval_s = None if sw in (None, 0, "0") else float(sw)
@@ -255,8 +259,9 @@ class KvzConnector(KVConnectorBase_V1):
         self._paged = PagedLayout(items, self.block_size, self.info["shape"],
                                   self._vllm_config.cache_config.cache_dtype)
         logger.info("kvz connector: loads on cores %s (%s), %d decode thread(s), idle-priority cores %s (%s), "
-                    "deadline %g s, layerwise %s", self.load_cores, self.load_cores_reason, self.decode_threads,
-                    self.idle_cores, self.idle_cores_reason, self.load_deadline_s, self.layerwise)
+                    "deadline %g s, layerwise %s, windows: %s", self.load_cores, self.load_cores_reason,
+                    self.decode_threads, self.idle_cores, self.idle_cores_reason, self.load_deadline_s, self.layerwise,
+                    self.window_reason)
         if self.warmup or self.profile_setting == "auto" or self.decode_process:
             self._warm = self._load_thread_pool().submit(self._warm_up)
 
@@ -299,14 +304,12 @@ class KvzConnector(KVConnectorBase_V1):
         """What this connector did: the worker's timings (``load_s`` wall time of loads, ``decode_s``,
         ``read_s``, ``copy_s``, ``blocked_s``: the forward's time waiting on loads), the store's
         counters, the load cores and the profile choice (``auto``: with its measurements)."""
+        dp = None if self._decoder is None else {"placement": self._decoder.placement, "error": self._decoder.error}
         return {"timings": dict(self.timings), "counters": dict(self.store.counters),
                 "profile": dict(self.profile_choice), "load_cores": list(self.load_cores),
                 "load_cores_reason": self.load_cores_reason, "idle_cores": list(self.idle_cores),
-                "idle_cores_reason": self.idle_cores_reason,
-                "decode_process": None if self._decoder is None else {"placement": self._decoder.placement,
-                                                                       "error": self._decoder.error},
-                "layerwise": self.layerwise,
-                "load_deadline_s": self.load_deadline_s}
+                "idle_cores_reason": self.idle_cores_reason, "decode_process": dp, "layerwise": self.layerwise,
+                "window_loads": self.window_reason, "load_deadline_s": self.load_deadline_s}
 
     # ------------------------------------------------------------------ worker side: load
     def _load_thread_pool(self):
@@ -338,24 +341,28 @@ class KvzConnector(KVConnectorBase_V1):
         jobs: list[LoadJob] = []
         staging: dict = {}
         proc = None
+        starts = load_starts(self.windows, meta.loads, bs)  # (request, first block) -> layer -> first position
         if self._decoder is not None:  # kvz's decode process (None: the load thread decodes)
-            proc = self._decoder.try_submit([(seg, seg.count * bs) for spec in meta.loads for seg in spec.segments],
+            proc = self._decoder.try_submit([(seg, seg.count * bs, starts[(spec.req_id, seg.first)])
+                                             for spec in meta.loads for seg in spec.segments],
                                             time.monotonic() + self.load_deadline_s, warn)
             if proc is None and not self._decoder.alive:
                 self._decoder = None
         for spec in meta.loads:
             end = spec.segments[-1].first + spec.segments[-1].count if spec.segments else 0
             for seg in spec.segments:
+                st = starts[(spec.req_id, seg.first)]
                 blocks = spec.block_ids[seg.first:seg.first + seg.count]
                 n = seg.count * bs
                 bufs: dict = {}  # layer -> this job's staging tensors (the reader writes into them)
                 j = len(jobs)
                 opener = (lambda deadline, j=j: (proc.reader(j), None, proc)) if proc is not None else \
-                    (lambda deadline, seg=seg: self.store.open_segment(seg, deadline, self.decode_threads))
+                    (lambda deadline, seg=seg, st=st: self.store.open_segment(seg, deadline, self.decode_threads,
+                                                                              starts=st))
                 jobs.append(LoadJob(
                     spec.req_id, blocks, spec.block_ids[seg.first:end], opener,
                     out=lambda i, n=n, bufs=bufs: bufs.setdefault(
-                        i, (torch.empty((H, n, d), dtype=dt), torch.empty((H, n, d), dtype=dt)))))
+                        i, (torch.empty((H, n, d), dtype=dt), torch.empty((H, n, d), dtype=dt))), starts=st))
                 staging[id(jobs[-1])] = bufs
         if not jobs:
             return

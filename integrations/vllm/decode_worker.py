@@ -104,6 +104,8 @@ class _Step:
         step = self
 
         class _Reader:
+            windowed = True  # the decode process applies the load's window starts itself
+
             def layers(self, tokens=None, out=None):
                 return step.layers(j, step.worker.shape[0])
 
@@ -193,17 +195,20 @@ class DecodeWorker:
         return cur
 
     def submit(self, segments: list, deadline: float) -> _Step:
-        """Start decoding ``segments`` ([(Segment, tokens)]); returns the step to read layers from."""
+        """Start decoding ``segments`` ([(Segment, tokens)] or [(Segment, tokens, starts)], ``starts``
+        as :func:`~kvz.integrations.vllm.window.windowed_layers` takes them); returns the step to
+        read layers from."""
         with self._lock:
             L = self.shape[0]
             loads, off = [], 0
-            for _, n in segments:
+            for seg_n in segments:
+                n = seg_n[1]
                 loads.append((off, n))
                 off += L * _layer_bytes(n, self.shape)
             self._sid += 1
             shm = self._block(off, self._sid % 2)
-            self._send(("step", self._sid, [(seg, o, n) for (seg, n), (o, _) in zip(segments, loads)],
-                        deadline, shm.name))
+            self._send(("step", self._sid, [(x[0], o, x[1], dict(x[2]) if len(x) > 2 else {})
+                                            for x, (o, _) in zip(segments, loads)], deadline, shm.name))
             return _Step(self, self._sid, loads, shm, deadline)
 
     def try_submit(self, segments: list, deadline: float, warn=print):
@@ -306,6 +311,7 @@ def _child(fd: int) -> int:
     from alignpred.cache import numpy_dtype
 
     from .store import BlockStore, open_backend
+    from .window import windowed_layers
 
     conn = Connection(fd)
     _, url, store_kw, settings, cores, threads, names, idle = conn.recv()
@@ -350,13 +356,13 @@ def _child(fd: int) -> int:
             shms[shm_name] = _attach(shm_name)
         shm = shms[shm_name]
         gens, closers = {}, []
-        for j, (seg, off, n) in enumerate(loads):
+        for j, (seg, off, n, starts) in enumerate(loads):
             try:
-                reader, tokens, src = store.open_segment(seg, deadline, threads)
+                reader, tokens, src = store.open_segment(seg, deadline, threads, starts=starts)
                 reader.split = split
                 closers.append(src)
                 block = np.ndarray((L, 2, H, n, d), dtype=dt, buffer=shm.buf, offset=off)
-                gens[j] = iter(reader.layers(tokens=tokens, out=lambda i, b=block: (b[i, 0], b[i, 1])))
+                gens[j] = windowed_layers(reader, tokens, starts, lambda i, b=block: (b[i, 0], b[i, 1]))
             except Exception as e:  # noqa: BLE001 - a miss, recomputed
                 conn.send(("fail", sid, j, f"{type(e).__name__}: {e}"))
         for i in range(L):

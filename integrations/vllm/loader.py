@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .window import windowed_layers
+
 __all__ = ["parse_cpus", "load_cores", "idle_cores", "LayerPrefetch", "LoadJob", "StepLoad"]
 
 
@@ -183,6 +185,7 @@ class LoadJob:
     error_blocks: list
     open_reader: object  # (deadline) -> (KvzReader, tokens (a, b), closer)
     out: object = None  # layer -> (key buffer, value buffer), as KvzReader.layers takes it (None: new arrays)
+    starts: dict = field(default_factory=dict)  # layer -> first position to decode (kvz.integrations.vllm.window)
     gen: object = None
     closer: object = None
     failed: str | None = None
@@ -239,7 +242,10 @@ class StepLoad:
             for job in self.jobs:
                 try:
                     reader, tokens, job.closer = job.open_reader(self.deadline)
-                    job.gen = iter(reader.layers(tokens=tokens, out=job.out))
+                    if job.starts and job.out is not None and not getattr(reader, "windowed", False):
+                        job.gen = windowed_layers(reader, tokens, job.starts, job.out)
+                    else:  # the decode process windows its loads itself
+                        job.gen = iter(reader.layers(tokens=tokens, out=job.out))
                 except Exception as e:  # noqa: BLE001 - a miss, recomputed
                     self._fail(job, f"{type(e).__name__}: {e}")
             for i in range(self.n_layers):

@@ -44,8 +44,8 @@ def _aligned(n):  # what a reload of an n-token prompt may take from the store: 
     return (n - 1) // BS * BS
 
 
-def _spec(tmp, name, model, prompts, store, core, kl_reference=None):
-    spec = {"model": model, "prompts": prompts, "max_tokens": MAX_TOKENS, "max_model_len": MAX_MODEL_LEN,
+def _spec(tmp, name, model, prompts, store, core, kl_reference=None, max_model_len=MAX_MODEL_LEN):
+    spec = {"model": model, "prompts": prompts, "max_tokens": MAX_TOKENS, "max_model_len": max_model_len,
             "block_size": BS, "store": store, "logprobs": LOGPROBS}
     if kl_reference:
         spec["kl_reference"] = str(tmp / f"{kl_reference}.out.json")
