@@ -12,7 +12,8 @@ takes the cores the engine does not bind (core 1 on a 2-core machine). Steps:
 
 1. Two cold prefills of the prompt (each a writer): ExampleConnector, and kvz lossless. The lossless
    writer's tokens and logprobs are the reference (a full prefill with a connector on).
-2. The lossy stores (eps 0.02) are made from the lossless store without more prefills: each run is
+2. The lossy stores (the connector's default budget: FP8's next-token KL in the attention scope,
+   docs/engine-scope.md) are made from the lossless store without more prefills: each run is
    decoded to the engine's exact KV and encoded again in each profile under the same keys — what a
    writer in that profile stores. ``auto`` is the profile the connector's own choice
    (:mod:`kvz.integrations.vllm.profile_choice`) picks on this machine and this store, measured here
@@ -48,8 +49,9 @@ def _rate(text: str) -> float:
     return float(parse_rate(text))
 
 
-def transcode(src_dir: str, dst_dir: str, runs: list, token_ids: list, profile: str, eps: float = 0.02) -> dict:
-    """Store in ``dst_dir`` what a writer in ``profile`` (lossy, ``eps``) stores for ``token_ids``,
+def transcode(src_dir: str, dst_dir: str, runs: list, token_ids: list, profile: str, eps: float | None = None) -> dict:
+    """Store in ``dst_dir`` what a writer in ``profile`` (lossy: the connector's default budget, or
+    ``eps`` in the tensor scope) stores for ``token_ids``,
     from the lossless runs of ``src_dir`` (decoded to the exact KV the writer computed)."""
     from alignpred import KvzReader
     from kvz.integrations.kvstore import DirectoryBackend
@@ -89,7 +91,7 @@ def copy_to_redis(src_dir: str, url: str, namespace: str) -> int:
 
 
 def choose_auto(store_dir: str, tokens: int, cores) -> dict:
-    """The connector's ``auto`` choice for a lossy eps-0.02 store, measured on ``cores``."""
+    """The connector's ``auto`` choice for a lossy store at its default budget, measured on ``cores``."""
     from kvz.integrations.kvstore import DirectoryBackend
     from kvz.integrations.vllm import BlockStore, choose_profile
 
@@ -106,7 +108,9 @@ def choose_auto(store_dir: str, tokens: int, cores) -> dict:
 
 
 def run(size: int, model_dir: str, *, rounds: int = 3, links=("1g", "10g"), workdir: str | None = None,
-        topk: int = 20, log=print) -> dict:
+        topk: int = 20, recompute_rounds: int | None = None, log=print) -> dict:
+    """The rows at ``size`` tokens; ``recompute_rounds`` (default ``rounds``): the no-connector prefills,
+    fewer where a full prefill is slow (bf16 without AMX or AVX-512 BF16 runs vLLM's torch fallback)."""
     from kvz.integrations.kvstore import RedisServer
     from kvz.integrations.vllm import mean_kl
 
@@ -168,7 +172,7 @@ def run(size: int, model_dir: str, *, rounds: int = 3, links=("1g", "10g"), work
         return r
 
     # 3. recompute (no connector), vLLM's own CPU offloading connector, then readers over the directory store
-    rec = row("recompute", "-", engine("recompute", None, [reader] * rounds), 0, "no connector: a full prefill")
+    rec = row("recompute", "-", engine("recompute", None, [reader] * (recompute_rounds or rounds)), 0, "no connector: a full prefill")
     off_cfg = {"kind": "vllm", "connector": "OffloadingConnector", "extra": {"cpu_bytes_to_use": 2 << 30}}
     try:
         off = engine("offloading", off_cfg, [reader] * (rounds + 1))
@@ -186,7 +190,7 @@ def run(size: int, model_dir: str, *, rounds: int = 3, links=("1g", "10g"), work
     kinds = [("kvz-lossless", lossless_dir, True)] + [(f"kvz-{p}", str(root / f"kvz-{p}"), False) for p in PROFILES]
     sizes = {}
     for name, d, lossless in kinds:
-        cfg = {"store": d, "lossless": lossless, "read_only": True, "eps": 0.02}
+        cfg = {"store": d, "lossless": lossless, "read_only": True}  # the default budget, as a user gets it
         sizes[name] = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".kvc"))
         out = engine(f"{name}-reader", cfg, [reader] * rounds)
         row(name, "local", out, (made.get(name[4:], {}).get("bytes") or
@@ -196,7 +200,7 @@ def run(size: int, model_dir: str, *, rounds: int = 3, links=("1g", "10g"), work
     rows.append({**a, "store": "kvz-auto", "note": f"= kvz-{auto['profile']} (auto's choice here)"})
     # the same hit without the decode process's idle-priority threads on the engine's core (A/B)
     d = str(root / f"kvz-{auto['profile']}")
-    out = engine("kvz-auto-noidle-reader", {"store": d, "read_only": True, "eps": 0.02, "idle_cores": "none"},
+    out = engine("kvz-auto-noidle-reader", {"store": d, "read_only": True, "idle_cores": "none"},
                  [reader] * rounds)
     row("kvz-auto", "local, no idle threads", out, a["stored_bytes"],
         "idle_cores none: the decode process on the load cores only")
@@ -205,7 +209,7 @@ def run(size: int, model_dir: str, *, rounds: int = 3, links=("1g", "10g"), work
         copy_to_redis(str(root / f"kvz-{auto['profile']}"), srv.url, "hit")
         for link in links:
             with LinkProxy(("127.0.0.1", srv.port), rate_bits_per_s=_rate(link)) as px:
-                cfg = {"store": px.url_for(srv.url), "namespace": "hit", "read_only": True, "eps": 0.02}
+                cfg = {"store": px.url_for(srv.url), "namespace": "hit", "read_only": True}
                 out = engine(f"kvz-auto-redis-{link}-reader", cfg, [reader] * rounds, resume=False)
                 row("kvz-auto", f"redis {link}bit/s", out, a["stored_bytes"])
             rows.append({**ex, "link": f"{link}bit/s (modeled)", "ttft_s": round(ex["ttft_s"] + raw_bytes * 8 / _rate(link), 4),

@@ -193,10 +193,10 @@ def main(argv=None) -> int:
         except ImportError:  # before the engines run, not after
             ap.error("--plot needs matplotlib (pip install matplotlib); or plot afterwards in kvz's own venv: "
                      "python -m kvz.benchmarks.vllm_hit --from-json RESULT.json --plot OUT.png")
-    if a.hit:
-        return _hit_main(a, argv)
     global RESUME
     RESUME = a.resume
+    if a.hit:
+        return _hit_main(a, argv)
     sizes = [1024] if a.quick else [int(x) for x in (a.sizes or ",".join(map(str, SIZES))).split(",")]
     stores = a.stores.split(",")
     if "recompute" not in stores:
@@ -243,6 +243,7 @@ def _hit_main(a, argv) -> int:
     for n in sizes:
         results.append(vllm_hit.run(n, model, rounds=max(1, a.rounds or 3), links=a.links.split(",") if a.links else (),
                                     workdir=a.workdir and str(Path(a.workdir) / f"n{n}"), topk=min(a.topk, 20),
+                                    recompute_rounds=a.recompute_rounds or None,
                                     log=lambda m: print(m, file=sys.stderr)))
     cmd = " ".join(["python -m kvz.benchmarks.vllm_reuse"] + [Path(x).name if "/" in x else x for x in
                                                               (argv if argv is not None else sys.argv[1:])])

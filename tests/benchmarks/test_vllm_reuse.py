@@ -47,8 +47,11 @@ def test_transcoded_store_is_what_a_writer_in_that_profile_stores(tmp_path, samp
               bank="gemma-3-270m", threads=1)
     src = BlockStore(DirectoryBackend(str(tmp_path / "ll")), lossless=True, **kw)
     src.put_run(ids, 0, kv, src.block_hashes(ids, 2))
-    got = transcode(str(tmp_path / "ll"), str(tmp_path / "fast"), src.runs, ids, "fast")
+    # the benchmark's default: the connector's default budget, found by a reader with no setting
+    got = transcode(str(tmp_path / "ll"), str(tmp_path / "auto"), src.runs, ids, "fast")
     assert got["profile"] == "fast" and got["bytes"] > 0
+    assert BlockStore(DirectoryBackend(str(tmp_path / "auto")), **kw).lookup(ids, 2)[0] == 2
+    got = transcode(str(tmp_path / "ll"), str(tmp_path / "fast"), src.runs, ids, "fast", eps=0.02)
     dst = BlockStore(DirectoryBackend(str(tmp_path / "fast")), eps=0.02, **kw)
     n, segs = dst.lookup(ids, 2)
     assert n == 2
