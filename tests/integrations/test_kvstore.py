@@ -532,7 +532,7 @@ def test_open_blob_reads_a_real_kvz_layer_by_layer(h, real_bank, sample_files):
 
     from alignpred import KvzReader, compress, load_cache
 
-    blob = compress(load_cache(sample_files[0]), None, eps=0.03, bank=real_bank).data
+    blob = compress(load_cache(sample_files[0]), None, budget=0.03, bank=real_bank).data
     s = h.make()
     s.put("kvz", blob)
     want = KvzReader(blob, bank=real_bank).read(tokens=(0, 128))
