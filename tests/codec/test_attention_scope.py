@@ -269,13 +269,14 @@ def test_target_kl_takes_the_best_scope_the_bank_supports(setup, tmp_path):
     c, bank_path, _, weights, _ = setup
     assert ErrorBudget.from_options(target_kl=1e-3).auto_scope
     assert not ErrorBudget.from_options(target_kl=1e-3, scope="weighted").auto_scope
-    a = compress(c, tmp_path / "a.kvz", budget=ErrorBudget(weights=weights, target_kl=1e-3), bank=bank_path)
+    a = compress(c, tmp_path / "a.kvz", budget=ErrorBudget.from_options(weights=weights, target_kl=1e-3), bank=bank_path)
     assert a.scope == "attention"  # the bank has attention statistics
     w = compress(c, tmp_path / "w.kvz", budget=ErrorBudget(scope="weighted", weights=weights, target_kl=1e-3), bank=bank_path)
     assert w.scope == "weighted" and w.eps == a.eps
     plain = fit_bank([c], rank=4)
     plain.save(tmp_path / "plain.h5")
-    p = compress(c, tmp_path / "p.kvz", budget=ErrorBudget(weights=weights, target_kl=1e-3), bank=tmp_path / "plain.h5")
+    p = compress(c, tmp_path / "p.kvz", budget=ErrorBudget.from_options(weights=weights, target_kl=1e-3),
+                 bank=tmp_path / "plain.h5")
     assert p.scope == "weighted"  # no statistics: the weighted scope, as before
 
 
