@@ -142,3 +142,29 @@ def test_decode_process_windowed(tmp_path, sample):  # noqa: F811
         proc.close()
     finally:
         w.close()
+
+
+def test_windowed_into_torch_bf16_staging(tmp_path, sample):  # noqa: F811
+    """The load thread's path: the connector's staging tensors are torch bf16 (sliced views)."""
+    torch = pytest.importorskip("torch")
+    store = _store(DirectoryBackend(str(tmp_path)), sample, lossless=True, profile="fast")
+    ids = _filled(store, sample)
+    _, want = _reference(store)
+    _, segs = store.lookup(ids, N_BLOCKS)
+    starts = {0: 2 * BS, 1: 2 * BS}
+    n = N_BLOCKS * BS
+    reader, tokens, src = store.open_segment(segs[0], time.monotonic() + 30, starts=starts)
+    bufs: dict = {}
+
+    def out(i):
+        return bufs.setdefault(i, (torch.empty((1, n, 256), dtype=torch.bfloat16),
+                                   torch.empty((1, n, 256), dtype=torch.bfloat16)))
+    try:
+        got = {i: k.clone() for i, k, _ in windowed_layers(reader, tokens, starts, out)}
+    finally:
+        src.close()
+    for i, k in got.items():
+        s = starts.get(i, 0)
+        g = k.view(torch.int16).numpy()
+        exp = want[f"layers.{i}.key"].view(np.int16).reshape(g.shape)
+        assert not g[:, :s].any() and np.array_equal(g[:, s:], exp[:, s:]), i
