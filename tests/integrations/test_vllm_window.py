@@ -43,6 +43,21 @@ def _reference(store):
     return r, r.read()
 
 
+def _lossless_fast(tmp_path, smp):
+    """A lossless fast store of the sample: ``(store, whole read, segments of a lookup)``."""
+    store = _store(DirectoryBackend(str(tmp_path)), smp, lossless=True, profile="fast")
+    ids = _filled(store, smp)
+    _, want = _reference(store)
+    return store, want, store.lookup(ids, N_BLOCKS)[1]
+
+
+def _check_bits(bits: np.ndarray, want: dict, name: str, start: int) -> None:
+    """``bits`` (int16 view of one decoded tensor): zeros before ``start``, the whole read's after."""
+    exp = want[name].view(np.int16).reshape(bits.shape)
+    assert not bits[:, :start].any(), name
+    assert np.array_equal(bits[:, start:], exp[:, start:]), name
+
+
 def _out(n):
     bufs = {}
     return bufs, lambda i: bufs.setdefault(i, (np.full((1, n, 256), np.nan, np.float32),
@@ -123,22 +138,15 @@ def test_decode_process_windowed(tmp_path, sample):  # noqa: F811
     torch = pytest.importorskip("torch")
     from kvz.integrations.vllm.decode_worker import DecodeWorker
 
-    store = _store(DirectoryBackend(str(tmp_path)), sample, lossless=True, profile="fast")
-    ids = _filled(store, sample)
-    _, want = _reference(store)
-    _, segs = store.lookup(ids, N_BLOCKS)
+    store, want, segs = _lossless_fast(tmp_path, sample)
     starts = {i: 2 * BS for i, w in enumerate(_windows(sample[2])) if w}
     cpus = sorted(os.sched_getaffinity(0))
     w = DecodeWorker(str(tmp_path), {}, _settings(sample), cpus[-1:], 1, idle_cores=[])
     try:
         proc = w.submit([(segs[0], N_BLOCKS * BS, starts)], time.monotonic() + 60)
         for i, k, v in proc.layers(0, 18):
-            s = starts.get(i, 0)
             for kind, got in (("key", k), ("value", v)):
-                exp = want[f"layers.{i}.{kind}"].view(np.int16).reshape(tuple(got.shape))
-                g = got.view(torch.int16).numpy()
-                assert not g[:, :s].any(), (i, kind)
-                assert np.array_equal(g[:, s:], exp[:, s:]), (i, kind)
+                _check_bits(got.view(torch.int16).numpy(), want, f"layers.{i}.{kind}", starts.get(i, 0))
         proc.close()
     finally:
         w.close()
@@ -147,10 +155,7 @@ def test_decode_process_windowed(tmp_path, sample):  # noqa: F811
 def test_windowed_into_torch_bf16_staging(tmp_path, sample):  # noqa: F811
     """The load thread's path: the connector's staging tensors are torch bf16 (sliced views)."""
     torch = pytest.importorskip("torch")
-    store = _store(DirectoryBackend(str(tmp_path)), sample, lossless=True, profile="fast")
-    ids = _filled(store, sample)
-    _, want = _reference(store)
-    _, segs = store.lookup(ids, N_BLOCKS)
+    store, want, segs = _lossless_fast(tmp_path, sample)
     starts = {0: 2 * BS, 1: 2 * BS}
     n = N_BLOCKS * BS
     reader, tokens, src = store.open_segment(segs[0], time.monotonic() + 30, starts=starts)
@@ -164,7 +169,4 @@ def test_windowed_into_torch_bf16_staging(tmp_path, sample):  # noqa: F811
     finally:
         src.close()
     for i, k in got.items():
-        s = starts.get(i, 0)
-        g = k.view(torch.int16).numpy()
-        exp = want[f"layers.{i}.key"].view(np.int16).reshape(g.shape)
-        assert not g[:, :s].any() and np.array_equal(g[:, s:], exp[:, s:]), i
+        _check_bits(k.view(torch.int16).numpy(), want, f"layers.{i}.key", starts.get(i, 0))
