@@ -55,11 +55,14 @@ class ChunkStore:
     ``"raw"`` (``raw_dtype`` arrays, uncompressed: the lossless reference, a :class:`RawSerde`); the
     serde is :attr:`codec`. ``layer_types`` / ``rope`` (a RopeSpec) /
     ``shape`` ``(layers, kv_heads, head_dim)`` describe the cache; :meth:`for_model` reads them from
-    a transformers model."""
+    a transformers model. ``weights``: the checkpoint's fingerprint
+    (:func:`~kvz.integrations.fingerprint.weights_fingerprint`; :meth:`for_model` takes it from the
+    model's directory), bound into every key with ``model_id`` when given."""
 
     def __init__(self, backend, *, model_id: str, layer_types, rope, shape, codec: str = "kvz",
                  eps: float | None = None, bank="gemma-3-270m", config=None, scope: str | None = None,
-                 raw_dtype: str = "float16", chunk_tokens: int = CHUNK_TOKENS, session=None, target_kl=None):
+                 raw_dtype: str = "float16", chunk_tokens: int = CHUNK_TOKENS, session=None, target_kl=None,
+                 weights: str | None = None):
         if backend is None:
             import os
 
@@ -80,6 +83,8 @@ class ChunkStore:
             raise ValueError("codec must be 'kvz' or 'raw'")
         self.binding = {"scheme": KEY_SCHEME, "model": self.model_id, "chunk_tokens": self.chunk_tokens,
                         **self.codec.binding()}
+        if weights:
+            self.binding["weights"] = str(weights)
         self._bind = binding_digest(self.binding)
         self.counters = dict.fromkeys(("prefix_hits", "content_hits", "misses", "puts", "put_bytes", "put_tokens",
                                       "dropped"), 0)
@@ -87,8 +92,10 @@ class ChunkStore:
     @classmethod
     def for_model(cls, model, backend=None, *, model_id: str | None = None, max_positions: int = 8192, **kw):
         """A store for ``model``'s KV (layer types, exact RoPE and shape read from the model)."""
+        from kvz.integrations.fingerprint import weights_fingerprint
         from kvz.integrations.hf import kv_shape, layer_types_of, model_id_of, rope_spec_from_model
 
+        kw.setdefault("weights", weights_fingerprint(getattr(model.config, "_name_or_path", None)))
         return cls(backend, model_id=model_id or model_id_of(model), layer_types=layer_types_of(model.config),
                    rope=rope_spec_from_model(model, max_positions), shape=kv_shape(model), **kw)
 

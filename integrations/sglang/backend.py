@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from kvz.integrations.fingerprint import weights_fingerprint
 from kvz.integrations.lmcache import (  # the engine-free chunk codec (imports no LMCache)
     as_numpy,
     backend_from_url,
@@ -121,6 +122,9 @@ class KvzHiCacheStorage(HiCacheStorage):
         self.backend = backend
         model = "-".join((storage_config.model_name or "").split("/"))
         suffix = f"_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"
+        fingerprint = weights_fingerprint(storage_config.model_name)  # the checkpoint, not only its name
+        if fingerprint:
+            suffix += f"_{fingerprint}"
         if getattr(storage_config, "pp_size", 1) > 1:
             suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
         self.suffix = suffix

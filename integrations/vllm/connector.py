@@ -22,8 +22,8 @@ refinement tier: the blocks decode to the engine's bits exactly), ``profile`` (t
 saves are coded in: ``auto`` (default: measured at warm-up, see
 :mod:`~kvz.integrations.vllm.profile_choice`), ``default``, ``balanced`` or ``fast``; a reader
 needs no setting, a ``.kvz`` says how it was coded), ``bank`` (a registry name or path; default
-``gemma-3-270m`` when the model is Gemma 3 270M, else none), ``model_id`` (part of every key;
-default the served model name), ``budget_bytes`` (store budget), ``namespace`` (Redis),
+``gemma-3-270m`` when the model is Gemma 3 270M, else none), ``model_id`` (in every key, with
+the weights' fingerprint; default the served model name), ``budget_bytes`` (store budget), ``namespace`` (Redis),
 ``threads`` (kvz's encode threads), ``load_cores`` (the cores kvz's load thread runs on, a CPU
 list like ``"2-3"``; default: the cores vLLM's CPU worker does not bind — those not in
 ``VLLM_CPU_OMP_THREADS_BIND`` — or all cores when it binds every one), ``decode_threads`` (threads
@@ -125,7 +125,7 @@ class KvzConnector(KVConnectorBase_V1):
         settings = dict(model_id=get("model_id", info["model_id"]), block_size=self.block_size,
                         layer_types=info["layer_types"], rope_theta=info["rope_theta"], shape=info["shape"],
                         dtype=info["dtype"], eps=eps, target_kl=target_kl, any_prefix=any_prefix,
-                        lossless=lossless, bank=bank,
+                        lossless=lossless, bank=bank, weights=info["weights"],
                         threads=None if threads is None else int(threads),
                         profile="default" if self.profile_setting == "auto" else self.profile_setting)
         self.store = BlockStore(self.backend, **settings)

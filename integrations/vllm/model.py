@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import os
 
+from kvz.integrations.fingerprint import weights_fingerprint
+
 __all__ = ["GEMMA3_270M", "model_info"]
 
 GEMMA3_270M = "gemma-3-270m"
 
 
 def model_info(vllm_config) -> dict:
-    """Layer types, per-layer RoPE bases, ``(layers, kv_heads, head_dim)``, KV dtype and the default
-    bank of the served model, from vLLM's config."""
+    """Layer types, per-layer RoPE bases, ``(layers, kv_heads, head_dim)``, KV dtype, the default
+    bank and the weights fingerprint (:func:`~kvz.integrations.fingerprint.weights_fingerprint`) of
+    the served model, from vLLM's config."""
     mc = vllm_config.model_config
     cfg = mc.hf_text_config
     n = int(cfg.num_hidden_layers)
@@ -39,4 +42,4 @@ def model_info(vllm_config) -> dict:
     model_id = os.path.basename(str(name).rstrip("/")) or str(name)
     dtype = str(mc.dtype).replace("torch.", "")
     return {"layer_types": types, "rope_theta": thetas, "shape": (n, kv_heads, head_dim), "dtype": dtype,
-            "bank": bank, "model_id": model_id}
+            "bank": bank, "model_id": model_id, "weights": weights_fingerprint(getattr(mc, "model", None))}

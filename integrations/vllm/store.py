@@ -1,8 +1,9 @@
 """The block store behind the vLLM connector: runs of full KV blocks as ``.kvz`` objects in a
 :class:`~kvz.integrations.kvstore.ChunkBackend`, found by a chained prefix hash per block.
 
-Keys (every one binds the *binding*: model id, block size, KV dtype, ``.kvz`` format, codec
-configuration, bank id, eps, lossless — a changed model or codec never matches stale KV):
+Keys (every one binds the *binding*: model id, the weights fingerprint
+(:mod:`~kvz.integrations.fingerprint`), block size, KV dtype, ``.kvz`` format major, bank id, the
+error budget, lossless — a changed model, checkpoint, bank or budget never matches stale KV):
 
 * ``kvzv:b:<h_i>`` — one small *pointer* per block ``i``: ``h_i = sha256("p" + h_{i-1} + ids of
   block i)`` with ``h_{-1} = sha256(binding)``, so a hit means the same tokens at the same
@@ -76,7 +77,8 @@ class BlockStore:
     """Encode / look up / decode runs of KV blocks (see the module docstring).
 
     ``layer_types``: one per layer; ``rope_theta``: per-layer RoPE bases (keys are stored roped);
-    ``shape``: ``(layers, kv_heads, head_dim)``; ``dtype``: the engine's KV dtype name.
+    ``shape``: ``(layers, kv_heads, head_dim)``; ``dtype``: the engine's KV dtype name; ``weights``:
+    the checkpoint's fingerprint (bound into every key when given).
     The error budget (:attr:`budget`, :class:`~kvz.integrations.scope.StoreBudget`): ``eps`` given
     (or ``lossless``) keeps the tensor scope at that eps, as before; otherwise ``target_kl`` (a mean
     next-token KL or ``"fp8"``, the default) in the attention scope from the bank's statistics
@@ -85,7 +87,7 @@ class BlockStore:
 
     def __init__(self, backend, *, model_id: str, block_size: int, layer_types, rope_theta, shape, dtype: str,
                  eps: float | None = None, lossless: bool = False, bank=None, threads: int | None = None,
-                 profile: str = "default", target_kl=None, any_prefix: bool = True):
+                 profile: str = "default", target_kl=None, any_prefix: bool = True, weights: str | None = None):
         from alignpred import CodecConfig, DecoderSession
         from kvz.integrations.scope import StoreBudget
 
@@ -124,6 +126,8 @@ class BlockStore:
                         # saving in another profile (``auto`` picks per machine) must find the same runs
                         "bank": self.bank.id if self.bank is not None else None,
                         "eps": self.eps, "lossless": self.lossless}
+        if weights:  # the checkpoint, not only its name (None: nothing local to fingerprint)
+            self.binding["weights"] = str(weights)
         if self.scope != "tensor":  # an eps-only store keeps the keys it always had
             self.binding.update(self.budget.binding())
         self._bind = hashlib.sha256(json.dumps(self.binding, sort_keys=True, separators=(",", ":")).encode()).digest()
