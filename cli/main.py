@@ -73,6 +73,18 @@ def cli():
     """kvz: error-bounded KV-cache compression (AlignPred) and the .kvz container."""
 
 
+def _kl_option(value):
+    """``--target-kl``: a positive number or ``fp8`` (the KL FP8 e4m3 reaches), as a float."""
+    if value is None:
+        return None
+    from alignpred.codec.budget import named_kl
+
+    try:
+        return named_kl(value)
+    except KvzError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @cli.command()
 @click.argument("src", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="Output .kvz (default: SRC with .kvz).")
@@ -86,9 +98,10 @@ def cli():
                    "position weighted by what attention reads of it (attention, format 1.3: the bank's attention "
                    "statistics; positions a sliding-window layer never attends again are coded coarsely, so read "
                    "such a file to continue after its last position, not as a shorter prefix).")
-@click.option("--target-kl", type=float, default=None,
-              help="Ask for a mean next-token KL divergence instead of an NRMSE (the attention scope when the bank "
-                   "has attention statistics, else weighted; needs the bank's sensitivity record).")
+@click.option("--target-kl", default=None, callback=lambda ctx, p, v: _kl_option(v), metavar="KL|fp8",
+              help="Ask for a mean next-token KL divergence instead of an NRMSE: a number, or 'fp8' (FP8 e4m3's KL, "
+                   "as the engines' default) (the attention scope when the bank has attention statistics, else "
+                   "weighted; needs the bank's sensitivity record).")
 @click.option("--bank", type=click.Path(dir_okay=False), help="Calibration bank (.h5) fitted on other caches.")
 @click.option("--self-calibrate", is_flag=True, help="Fit a bank on this cache and embed it (counted in bpv).")
 @click.option("--rank", type=int, default=16, show_default=True, help="Map rank for --self-calibrate (0 = full).")

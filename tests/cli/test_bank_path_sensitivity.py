@@ -48,3 +48,21 @@ def test_no_record_beside_the_bank_is_still_the_one_line_error(tmp_path, monkeyp
     assert r.exit_code != 0 and "sensitivity" in r.output and "Traceback" not in r.output
     with pytest.raises(KvzError, match="sensitivity"):
         compress_bytes(c, bank=str(bank), budget=ErrorBudget(target_kl=1e-3))
+
+
+def test_target_kl_takes_fp8_as_the_engines_do(tmp_path, monkeypatch):
+    """``--target-kl fp8`` is FP8's KL (as the engines' ``target_kl="fp8"``); a bad value is a usage error."""
+    from alignpred.codec.budget import FP8_KL
+
+    monkeypatch.setenv("KVZ_BANK_PATH", str(tmp_path / "empty-registry"))
+    c, src, bank = _bank_with_record(tmp_path)
+    out = tmp_path / "fp8.kvz"
+    r = CliRunner().invoke(cli, ["compress", str(src), "--bank", str(bank), "--target-kl", "FP8", "-o", str(out),
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output[r.output.index("{"):])["target_kl"] == FP8_KL
+    for bad in ("bogus", "-1", "0"):
+        r = CliRunner().invoke(cli, ["compress", str(src), "--bank", str(bank), "--target-kl", bad,
+                                     "-o", str(tmp_path / "bad.kvz")])
+        assert r.exit_code == 2 and "--target-kl" in r.output and "Traceback" not in r.output
+        assert not (tmp_path / "bad.kvz").exists()
