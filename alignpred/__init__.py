@@ -21,7 +21,9 @@ The pipeline, one sub-package per stage (imports only point down this list):
 * :mod:`alignpred.cache` — what a cache is: layout, metadata, safetensors, RoPE;
 * :mod:`alignpred.bank` — calibration banks, their registry, calibration (GPA, ridge maps);
 * :mod:`alignpred.codec` — config, error budget, frame, predictors, plan, rate control, encoder, decoder;
-* :mod:`alignpred.format` — the ``.kvz`` container: bytes, header, index, writer, reader, session.
+* :mod:`alignpred.format` — the ``.kvz`` container: bytes <-> records, header, index, byte-range sources;
+* :mod:`alignpred.api` — what a user calls: compress, the reader, decoder sessions, warm-up, summaries;
+* :mod:`alignpred.gpu` — the GPU decoder of a reader's coarse tier (optional: torch and triton).
 
 Names are imported lazily (PEP 562): ``import alignpred`` costs almost nothing until a name is used.
 """
@@ -47,12 +49,12 @@ _EXPORTS = {
     "CodecConfig": "alignpred.codec.config",
     "ErrorBudget": "alignpred.codec.budget",
     "StageTimer": "alignpred.codec.decoder",
-    "KvzReader": "alignpred.format.reader",
-    "DecoderSession": "alignpred.format.session",
-    "CompressInfo": "alignpred.format.writer",
-    "compress": "alignpred.format.writer",
-    "compress_bytes": "alignpred.format.writer",
-    "warmup": "alignpred.format.warmup",
+    "KvzReader": "alignpred.api.reader",
+    "DecoderSession": "alignpred.api.session",
+    "CompressInfo": "alignpred.api.writer",
+    "compress": "alignpred.api.writer",
+    "compress_bytes": "alignpred.api.writer",
+    "warmup": "alignpred.api.warmup",
     "atomic_write": "alignpred.io",
     "atomic_file": "alignpred.io",
     "nrmse": "alignpred.metrics",
@@ -78,6 +80,10 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # static checkers see the eager imports
+    from alignpred.api.reader import KvzReader
+    from alignpred.api.session import DecoderSession
+    from alignpred.api.warmup import warmup
+    from alignpred.api.writer import CompressInfo, compress, compress_bytes
     from alignpred.bank.bank import Bank
     from alignpred.bank.calibrate import fit_bank
     from alignpred.bank.registry import BankRegistry, resolve_bank
@@ -101,9 +107,5 @@ if TYPE_CHECKING:  # static checkers see the eager imports
         TruncatedError,
         UnsupportedVersionError,
     )
-    from alignpred.format.reader import KvzReader
-    from alignpred.format.session import DecoderSession
-    from alignpred.format.warmup import warmup
-    from alignpred.format.writer import CompressInfo, compress, compress_bytes
     from alignpred.io import atomic_file, atomic_write
     from alignpred.metrics import nrmse

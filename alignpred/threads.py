@@ -150,7 +150,7 @@ def split_rows(n: int):
     """Inside the block, kvz's row-independent kernels called from *this* thread (the exact map
     products, :meth:`alignpred.kernels.intmap.IntMap.predict`) split their rows over ``n`` of
     kvz's threads. Rows are independent (per-row scales), so the bits do not depend on ``n``.
-    Other threads are not affected. (:class:`~alignpred.format.reader.KvzReader` does not use it:
+    Other threads are not affected. (:class:`~alignpred.api.reader.KvzReader` does not use it:
     a hand-off per product cost more than it saved on the 2-core VMs measured; a one-object
     range decodes its symbols ahead on another thread instead.)
 

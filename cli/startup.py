@@ -100,8 +100,8 @@ def announce_compiles(stream=None):
     """From now on in this process, the first compile of one of kvz's numba kernels prints
     :data:`COMPILE_NOTE` on ``stream`` (stderr), once, as it starts (kernels loaded from numba's
     on-disk cache compile nothing and print nothing). Returns the
-    :class:`alignpred.format.CompileWatch` counting them (``len(watch.compiled)``)."""
-    from alignpred.format import CompileWatch
+    :class:`alignpred.api.CompileWatch` counting them (``len(watch.compiled)``)."""
+    from alignpred.api import CompileWatch
 
     said = threading.Event()
 

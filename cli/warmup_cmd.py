@@ -17,7 +17,7 @@ PROFILE_NAMES = ["default", "balanced", "fast"]  # alignpred.codec.profiles.PROF
 @click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["bfloat16", "float16", "float32"]),
               help="dtype of the served caches (repeatable)  [default: bfloat16]")
 @click.option("--tokens", type=click.IntRange(min=2), default=None,
-              help="Positions of the synthetic cache  [default: alignpred.format.warmup.WARM_TOKENS]")
+              help="Positions of the synthetic cache  [default: alignpred.api.warmup.WARM_TOKENS]")
 @click.option("--eps", type=float, default=0.02, show_default=True, help="Error bound of the lossy modes.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Worker threads.")
 @click.option("--full", is_flag=True, help="Compress and read in every mode even where an earlier warm-up's "

@@ -1,4 +1,4 @@
-"""What a :class:`~alignpred.format.reader.KvzReader` says about its file: the summary ``kvz
+"""What a :class:`~alignpred.api.reader.KvzReader` says about its file: the summary ``kvz
 inspect`` prints, and the source metadata of a decoded subset."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def slice_metadata(reader, start: int, sel: list) -> dict:
 
 
 def summarize(reader) -> dict:
-    """:meth:`KvzReader.summary <alignpred.format.reader.KvzReader.summary>`."""
+    """:meth:`KvzReader.summary <alignpred.api.reader.KvzReader.summary>`."""
     lay = reader.layout
     size = len(reader._buf)
     per = {}

@@ -24,6 +24,8 @@ import threading
 import numpy as np
 
 from alignpred import entropy
+from alignpred.api.describe import slice_metadata, summarize
+from alignpred.api.session import DEFAULT_SESSION, DecoderSession
 from alignpred.bank.bank import Bank
 from alignpred.bank.registry import resolve_bank
 from alignpred.cache.arrays import as_numpy
@@ -32,11 +34,9 @@ from alignpred.codec.config import CodecConfig
 from alignpred.codec.decoder import Decoder
 from alignpred.errors import BankMismatchError, ChecksumError, FormatError, KvzError, LayoutError, TruncatedError
 from alignpred.format.container import FLAG_REFINE, crc32, parse_container
-from alignpred.format.describe import slice_metadata, summarize
 from alignpred.format.header import check_header, coder_prec, minor_for, tensor_metas
 from alignpred.format.index import check_index
 from alignpred.format.ranged import RangedSource, sparse_copy
-from alignpred.format.session import DEFAULT_SESSION, DecoderSession
 from alignpred.io import map_file, release_pages
 from alignpred.threads import blas_single_thread, default_threads, helper_pool, lockstep, stepwise
 from alignpred.threads import pool as _pool

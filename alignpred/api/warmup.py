@@ -201,10 +201,10 @@ def _save(path: str, nested: set) -> str | None:
 
 
 def _run(names, lossless, dtypes, shape, b, eps, config, threads, watch, progress) -> list[dict]:
+    from alignpred.api.reader import KvzReader
+    from alignpred.api.writer import compress_bytes
     from alignpred.codec.budget import ErrorBudget
     from alignpred.codec.profiles import profile
-    from alignpred.format.reader import KvzReader
-    from alignpred.format.writer import compress_bytes
 
     steps = []
     for dt in dtypes:
@@ -257,8 +257,8 @@ def warmup(profiles=_PROFILES, lossless: bool = True, *, bank=None, shape=None, 
         t0 = time.perf_counter()
         import numba
 
-        import alignpred.format.reader  # noqa: F401  (what a request imports: timed as a step)
-        import alignpred.format.writer  # noqa: F401
+        import alignpred.api.reader  # noqa: F401  (what a request imports: timed as a step)
+        import alignpred.api.writer  # noqa: F401
         from alignpred.bank.registry import resolve_bank
         from alignpred.codec.profiles import profile as _check_profile
 

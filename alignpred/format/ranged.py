@@ -1,6 +1,6 @@
 """Random access to a ``.kvz`` held somewhere else: a *ranged source* gives byte ranges of a file
 that is not in this process's memory (a store entry read with ``GETRANGE``, a file read with
-``pread``, an object store's ranged GET), and :class:`~alignpred.format.reader.KvzReader` reads
+``pread``, an object store's ranged GET), and :class:`~alignpred.api.reader.KvzReader` reads
 from it only what a decode needs: on open, the preamble and the tail (header, index, footer), all
 verified as for a whole file; then each object's payload when it is decoded, checked against its
 CRC-32 as always. A layer-by-layer decode of a long cache thus reads layer by layer.

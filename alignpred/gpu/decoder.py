@@ -1,4 +1,4 @@
-"""The GPU decoder: a :class:`~alignpred.format.KvzReader`'s coarse tier decoded on the device into
+"""The GPU decoder: a :class:`~alignpred.KvzReader`'s coarse tier decoded on the device into
 a plain ``[layers, 2, tokens, heads, dim]`` tensor or straight into an engine's paged KV layout.
 
 Per range: the entropy stage decodes every payload of the range in one launch

@@ -85,7 +85,7 @@ def test_read_into_memory_is_bounded_by_a_tile():
     reconstructions are not held for the whole range), and the bits are those of read()."""
     import tracemalloc
 
-    from alignpred.format.reader import TILE_TOKENS
+    from alignpred.api.reader import TILE_TOKENS
 
     c = synthetic_cache(n_layers=4, heads=1, T=8 * TILE_TOKENS, d=64)
     bank = fit_bank([synthetic_cache(n_layers=4, heads=1, T=512, d=64, seed=5)], rank=None)

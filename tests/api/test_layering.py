@@ -2,7 +2,8 @@
 ``integrations/``, ``benchmarks/`` and ``cli/`` use public names only (issue 22).
 
 Public means: a name of ``alignpred`` itself, or a name in the ``__all__`` of one of its
-sub-packages (``alignpred.cache``, ``.bank``, ``.codec``, ``.entropy``, ``.kernels``, ``.format``),
+sub-packages (``alignpred.cache``, ``.bank``, ``.codec``, ``.entropy``, ``.kernels``, ``.format``,
+``.api``, ``.gpu``),
 or of the leaf modules ``alignpred.io``, ``alignpred.threads``, ``alignpred.errors``, ``alignpred.metrics``; never a
 module inside a sub-package, never a name starting with ``_``. Between integrations packages the
 same holds one level down: ``kvz.integrations.chunkstore`` is public, ``...chunkstore.core`` is
@@ -20,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # alignpred's layers, lowest first: a module may import its own layer and the ones below it.
 LAYERS = [("errors", "_version", "io", "threads", "metrics"), ("kernels",), ("entropy",), ("cache",), ("bank",), ("codec",),
-          ("format",), ("gpu",)]
+          ("format",), ("api",), ("gpu",)]
 RANK = {name: i for i, group in enumerate(LAYERS) for name in group}
-PUBLIC_PACKAGES = ("cache", "bank", "codec", "entropy", "kernels", "format", "gpu")
+PUBLIC_PACKAGES = ("cache", "bank", "codec", "entropy", "kernels", "format", "api", "gpu")
 PUBLIC_LEAVES = ("io", "threads", "errors", "metrics")
 
 
@@ -133,6 +134,26 @@ def test_import_alignpred_is_light():
 
     code = ("import sys, alignpred; import kvz; print(sorted(m for m in ('numba', 'numpy', 'h5py', 'scipy') "
             "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_container_imports_nothing_of_the_api():
+    """Issue 41: ``alignpred.format`` is the container alone (bytes <-> records); what compresses
+    and reads sits above it in ``alignpred.api``. No module of format imports api, in its code or
+    at run time (docstring examples use the top-level names, which load lazily)."""
+    import subprocess
+    import sys
+
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in _py_files("alignpred/format")
+           for mod, names, line in _imports(p)
+           if mod == "alignpred.api" or mod.startswith("alignpred.api.") or (mod == "alignpred" and "api" in names)]
+    assert not bad, "\n".join(bad)
+    code = ("import sys, alignpred.format, alignpred.format.container, alignpred.format.header, "
+            "alignpred.format.index, alignpred.format.ranged; print(sorted(m for m in sys.modules "
+            "if m.startswith('alignpred.api')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr

@@ -12,7 +12,7 @@ import pytest
 
 import alignpred
 from alignpred import KvzError, KvzReader, compress
-from alignpred.format.warmup import CompileWatch, _synthetic, kernel_dispatchers
+from alignpred.api.warmup import CompileWatch, _synthetic, kernel_dispatchers
 
 SMALL = (18, 1, 16, 256)  # the bundled bank's layout, 16 positions
 KEYS = {"how", "total_s", "steps", "compiled", "compile_count", "cache_loads", "cache_dirs", "uncached", "manifest",

@@ -130,7 +130,7 @@ class MemFiles:
 
 @pytest.fixture
 def work(monkeypatch, tmp_path):
-    import alignpred.format.reader as kf
+    import alignpred.api.reader as kf
 
     mem = MemFiles()
     monkeypatch.setattr(kf, "map_file", mem.map_file)

@@ -27,7 +27,7 @@ import pytest
 from conftest import synthetic_cache
 from test_golden import VEC, VECTORS, expected, from_bits, within_tolerance
 
-import alignpred.format.writer as _kf
+import alignpred.api.writer as _kf
 from alignpred import CodecConfig, ErrorBudget, KvzReader, compress, fit_bank
 from alignpred.codec import Profile
 from alignpred.format.container import parse_container

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/ (conftest helpers)
 import numpy as np  # noqa: E402
 from conftest import synthetic_cache  # noqa: E402
 
-import alignpred.format.reader as kf  # noqa: E402
+import alignpred.api.reader as kf  # noqa: E402
 from alignpred import CodecConfig, ErrorBudget, KvzError, KvzReader, compress, fit_bank  # noqa: E402
 from alignpred.codec import Profile  # noqa: E402
 from alignpred.format import container  # noqa: E402

@@ -106,7 +106,7 @@ def measure(path: str, bank, eps: float, chunk: int, repeats: int, threads: int 
     ns = np.array([p[0] for p in peaks], float)
     pk = np.array([p[1] for p in peaks], float)
     slope, fixed = np.polyfit(ns, pk, 1) if len(ns) > 1 else (pk[0] / ns[0], 0.0)
-    from alignpred.format import TILE_TOKENS
+    from alignpred.api import TILE_TOKENS
 
     past = ns >= TILE_TOKENS * threads   # each thread works a tile of its own part of the range
     beyond = float(np.polyfit(ns[past], pk[past], 1)[0]) if past.sum() > 1 else None
