@@ -1,11 +1,8 @@
 import glob
 import os
 
-import numpy as np
 import pytest
-
-from alignpred.cache.cachefile import Cache
-from alignpred.cache.layout import infer_layout
+from kvz_testing import BANK, ROOT, SAMPLES, sample_paths, synthetic_cache  # noqa: F401  (fixtures use them)
 
 
 @pytest.fixture(autouse=True)
@@ -66,43 +63,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAMPLES = os.path.join(ROOT, "samples", "gemma3-270m")
-BANK = os.path.join(ROOT, "alignpred", "bank", "data", "gemma-3-270m.h5")
-
-
-def sample_paths():
-    return sorted(glob.glob(os.path.join(SAMPLES, "*.safetensors")))
-
-
 @pytest.fixture(scope="session")
 def sample_files():
-    """:func:`sample_paths` as a fixture, for tests that run beside another folder's ``conftest``
-    (``from conftest import`` then finds whichever was imported last)."""
+    """:func:`~kvz_testing.sample_paths` as a fixture."""
     return sample_paths()
-
-
-def synthetic_cache(n_layers=3, heads=1, T=300, d=32, dtype=np.float16, seed=0, roped=False):
-    """Correlated synthetic cache (unit tests only): layers share a latent signal."""
-    rng = np.random.default_rng(seed)
-    latent = rng.standard_normal((heads, T, d)).cumsum(axis=1) * 0.1 + rng.standard_normal((heads, T, d))
-    t = {}
-    for i in range(n_layers):
-        mk = rng.standard_normal((d, d)) / np.sqrt(d)
-        mv = rng.standard_normal((d, d)) / np.sqrt(d)
-        key = latent @ mk + 0.3 * rng.standard_normal((heads, T, d)) + 0.5
-        if roped:  # keys said to carry RoPE do carry it (kvz checks the metadata against them)
-            from alignpred.cache import RopeTable
-
-            key = RopeTable.from_theta(1e4, d).apply(key.astype(np.float32), 0)
-        t[f"layers.{i}.key"] = key.astype(dtype)
-        t[f"layers.{i}.value"] = (latent @ mv + 0.3 * rng.standard_normal((heads, T, d))).astype(dtype)
-    meta = {}
-    if roped:
-        import json
-        meta = {"keys_roped": "true", "rope_theta": json.dumps([1e4] * n_layers), "rope_pairing": "half",
-                "layer_types": json.dumps(["sliding_attention"] * n_layers)}
-    return Cache(t, meta, infer_layout(t, meta))
 
 
 @pytest.fixture

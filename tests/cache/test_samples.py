@@ -1,7 +1,7 @@
 """Round trips on the bundled real Gemma 3 270M caches with the bundled bank (fitted on other documents)."""
 import numpy as np
 import pytest
-from conftest import sample_paths
+from kvz_testing import sample_paths
 
 from alignpred import ErrorBudget, KvzReader, compress, load_cache
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from conftest import synthetic_cache
+from kvz_testing import synthetic_cache
 
 from alignpred import ErrorBudget, KvzError, compress_bytes, fit_bank, save_cache
 from kvz.cli.main import cli

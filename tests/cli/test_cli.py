@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 from click.testing import CliRunner
-from conftest import synthetic_cache
+from kvz_testing import synthetic_cache
 
 from alignpred import load_cache, save_cache
 from kvz.cli.main import cli

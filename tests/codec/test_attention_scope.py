@@ -5,7 +5,7 @@ import copy
 
 import numpy as np
 import pytest
-from conftest import synthetic_cache
+from kvz_testing import synthetic_cache
 
 from alignpred import ErrorBudget, KvzError, KvzReader, compress, fit_bank
 from alignpred.bank import AttentionStats

@@ -1,7 +1,7 @@
 """Round trips of the codec on synthetic caches (the real-sample tests are in test_samples.py)."""
 import numpy as np
 import pytest
-from conftest import synthetic_cache
+from kvz_testing import synthetic_cache
 
 from alignpred import CodecConfig, ErrorBudget, KvzReader, NonFiniteError, compress, fit_bank
 from alignpred.cache.cachefile import Cache

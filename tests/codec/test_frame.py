@@ -1,6 +1,6 @@
 """The coding frame's RoPE arguments (Frame.rope_args), kept per table and row range."""
 import numpy as np
-from conftest import sample_paths
+from kvz_testing import sample_paths
 
 from alignpred import KvzReader, compress, load_cache
 from alignpred.cache.layout import Block

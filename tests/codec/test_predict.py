@@ -1,5 +1,5 @@
 import numpy as np
-from conftest import synthetic_cache
+from kvz_testing import synthetic_cache
 
 from alignpred import CodecConfig, fit_bank
 from alignpred.cache.layout import Block

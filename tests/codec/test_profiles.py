@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import sample_paths
+from kvz_testing import sample_paths
 
 from alignpred import CodecConfig, ErrorBudget, KvzError, KvzReader, compress, load_cache
 from alignpred.codec import PROFILES, profile

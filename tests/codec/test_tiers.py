@@ -2,7 +2,7 @@
 to the original bits."""
 import numpy as np
 import pytest
-from conftest import sample_paths, synthetic_cache
+from kvz_testing import sample_paths, synthetic_cache
 
 from alignpred import ChecksumError, ErrorBudget, KvzError, KvzReader, compress, fit_bank, load_cache
 from alignpred.codec.refine import apply, contexts, ordinal, symbols

@@ -10,9 +10,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import synthetic_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvz_testing import synthetic_cache
 
 from alignpred import entropy as E
 from alignpred.entropy import lanes, lanes_simd

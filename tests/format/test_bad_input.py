@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import synthetic_cache
+from kvz_testing import synthetic_cache
 
 from alignpred import (
     BankMismatchError,

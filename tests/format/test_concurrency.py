@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import synthetic_cache
+from kvz_testing import synthetic_cache
 
 from alignpred import KvzError, KvzReader, compress, fit_bank
 

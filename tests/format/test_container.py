@@ -3,7 +3,7 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import synthetic_cache
+from kvz_testing import synthetic_cache
 
 from alignpred import (
     BankMismatchError,

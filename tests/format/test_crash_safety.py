@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import synthetic_cache
+from kvz_testing import synthetic_cache
 
 from alignpred import KvzReader, compress, fit_bank
 from alignpred.io import remove_stale_temps

@@ -15,9 +15,9 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import synthetic_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvz_testing import synthetic_cache
 
 from alignpred import CodecConfig, ErrorBudget, KvzError, KvzReader, compress, fit_bank
 from alignpred.codec import Profile

@@ -3,7 +3,7 @@ memory, only the tail read on open, each layer's payloads read when it is decode
 is cut short or flipped gives the named errors of a bad file."""
 import numpy as np
 import pytest
-from conftest import sample_paths
+from kvz_testing import sample_paths
 
 from alignpred import ErrorBudget, KvzReader, compress, load_cache
 from alignpred.errors import ChecksumError, TruncatedError

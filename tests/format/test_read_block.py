@@ -4,7 +4,7 @@ are those of ``iter_layers``, which still gives each tensor its own array (strea
 free tensors one by one)."""
 import numpy as np
 import pytest
-from conftest import sample_paths
+from kvz_testing import sample_paths
 
 from alignpred import KvzReader, compress, load_cache
 

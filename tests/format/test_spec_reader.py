@@ -24,7 +24,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from conftest import synthetic_cache
+from kvz_testing import synthetic_cache
 from test_golden import VEC, VECTORS, expected, from_bits, within_tolerance
 
 import alignpred.api.writer as _kf

@@ -3,7 +3,7 @@
 belong to, and no buffer shared by two decodes at once."""
 import numpy as np
 import pytest
-from conftest import sample_paths
+from kvz_testing import sample_paths
 
 from alignpred import ChecksumError, KvzReader, compress, load_cache
 from alignpred.codec import decoder as decoder_mod

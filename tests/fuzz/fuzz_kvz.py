@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (conftest helpers)
 
 import numpy as np  # noqa: E402
-from conftest import synthetic_cache  # noqa: E402
+from kvz_testing import synthetic_cache  # noqa: E402
 
 import alignpred.api.reader as kf  # noqa: E402
 from alignpred import CodecConfig, ErrorBudget, KvzError, KvzReader, compress, fit_bank  # noqa: E402

@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from conftest import ROOT, sample_paths, synthetic_cache  # noqa: E402
+from kvz_testing import ROOT, sample_paths, synthetic_cache  # noqa: E402
 
 from alignpred import Bank, CodecConfig, KvzReader, compress, fit_bank, load_cache  # noqa: E402
 from alignpred.codec import Profile

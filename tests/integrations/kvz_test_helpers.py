@@ -1,15 +1,8 @@
-"""Helpers for test modules here: the suite-wide helpers of tests/conftest.py (this folder's own
-conftest.py shadows the name ``conftest``), and :func:`cluster_behind_proxies` (a Redis Cluster whose
+"""Helpers for test modules here: the suite-wide helpers of tests/kvz_testing.py, and :func:`cluster_behind_proxies` (a Redis Cluster whose
 every node is reached through a TCP proxy of its own)."""
 import contextlib
-import importlib.util
-from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("kvz_root_conftest", Path(__file__).resolve().parents[1] / "conftest.py")
-_root = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_root)
-sample_paths = _root.sample_paths
-synthetic_cache = _root.synthetic_cache
+from kvz_testing import sample_paths, synthetic_cache  # noqa: F401  (re-exported)
 
 
 @contextlib.contextmanager
