@@ -22,3 +22,9 @@ torch_venv() {
 check_torch() {
     "$1/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 }
+
+# The two phases of an engine script: KVZ_CI_PHASE=install (make the venv, nothing else), test (run
+# the tests in the venv an earlier install phase made), or unset (both, one after the other: what a
+# developer runs). .ci/run installs every engine in the background while the main suite runs.
+installing() { [ "${KVZ_CI_PHASE:-all}" != test ]; }
+testing() { [ "${KVZ_CI_PHASE:-all}" != install ]; }

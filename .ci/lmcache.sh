@@ -8,6 +8,8 @@ VENV="${KVZ_CI_VENVS:-${TMPDIR:-/tmp}/kvz-ci-venvs}/lmcache"
 
 . .ci/lib.sh
 ensure_redis
+SRC="$VENV/lmcache-src"
+if installing; then
 torch_venv "$VENV"
 $PIP install -q -c "$VENV/kvz-constraints.txt" lmcache==0.5.6
 $PIP install -q -c "$VENV/kvz-constraints.txt" -e ".[store,test]"
@@ -16,7 +18,6 @@ check_torch "$VENV"
 
 # LMCache's own test suite is only in its sdist: fetch it (sha256 pinned) and unpack tests/, which
 # tests/integrations/lmcache_engine/test_lmcache_suite.py runs against kvz's plugin and connector.
-SRC="$VENV/lmcache-src"
 if [ ! -d "$SRC/lmcache-0.5.6/tests/v1" ]; then
     "$VENV/bin/python" - "$SRC" <<'PY'
 import hashlib, io, sys, tarfile, urllib.request
@@ -32,6 +33,8 @@ with tarfile.open(fileobj=io.BytesIO(data)) as t:
                  filter="data")
 PY
 fi
+fi
+testing || exit 0
 export KVZ_LMCACHE_TESTS="$SRC/lmcache-0.5.6" KVZ_REQUIRE_LMCACHE_SUITE=1 KVZ_REQUIRE_ENGINE=lmcache
 
 OPENBLAS_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/lmcache_engine

@@ -11,6 +11,7 @@ VENV="${KVZ_CI_VENVS:-${TMPDIR:-/tmp}/kvz-ci-venvs}/sglang"
 
 . .ci/lib.sh
 ensure_redis
+if installing; then
 torch_venv "$VENV"
 $PIP install -q --no-deps sglang==0.5.23
 # what `import sglang.srt.mem_cache.hicache_storage` and the MHA host pool need (found one by one)
@@ -21,5 +22,7 @@ $PIP install -q -c "$VENV/kvz-constraints.txt" orjson==3.13.0 psutil==7.2.2 pyba
     compressed-tensors==0.20.1 gguf==0.19.0
 $PIP install -q -c "$VENV/kvz-constraints.txt" -e ".[store,test]"
 check_torch "$VENV"
+fi
+testing || exit 0
 
 KVZ_REQUIRE_ENGINE=sglang OPENBLAS_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/integrations/sglang_engine

@@ -14,6 +14,9 @@ PY="$VENV/bin/python"
 # The install lines of docs/vllm.md (the README's vLLM page), as written (its block marked
 # <!-- ci: vllm-install -->), in the venv
 # (made when absent; re-running them on a kept venv is quick and undoes any drift).
+. .ci/lib.sh
+MODEL_DIR="${KVZ_VLLM_MODEL_DIR:-$HOME/.cache/kvz/gemma3-hf}"
+if installing; then
 [ -x "$PY" ] || python3 -m venv "$VENV"
 "$PY" -m pip install -q --upgrade pip
 INSTALL="$(python3 - "$ROOT/docs/vllm.md" <<'PYEOF'
@@ -33,14 +36,16 @@ from transformers import Gemma3ForCausalLM  # noqa: F401  (PyPI's torchvision, i
 print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)
 PYEOF
 
-MODEL_DIR="${KVZ_VLLM_MODEL_DIR:-$HOME/.cache/kvz/gemma3-hf}"
 (cd /tmp && "$PY" -m kvz.integrations.vllm.convert "$MODEL_DIR")
-export KVZ_VLLM_MODEL_DIR="$MODEL_DIR"
-export KVZ_REQUIRE_REDIS=1 KVZ_REQUIRE_ENGINE=vllm
+fi
+testing || exit 0
 
 # Compile kvz's numba kernels once into numba's on-disk cache (what docs/vllm.md says to run at
-# install time), so the engine processes of the tests load them instead of compiling.
+# install time), so the engine processes of the tests load them instead of compiling. (In the test
+# phase: the cache sits beside the checkout's sources, which the main venv's tests use meanwhile.)
 (cd /tmp && "$VENV/bin/kvz" warmup)
+export KVZ_VLLM_MODEL_DIR="$MODEL_DIR"
+export KVZ_REQUIRE_REDIS=1 KVZ_REQUIRE_ENGINE=vllm
 
 # Only the connector's tests (the rest of the suite runs in the main venv); no doctest collection
 # of vLLM-importing modules outside them.

@@ -29,6 +29,7 @@ own index files beside it) is keyed on all kernel sources.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -248,12 +249,20 @@ def warmup(profiles=_PROFILES, lossless: bool = True, *, bank=None, shape=None, 
     Returns ``{"how": "loaded" | "run", "total_s", "steps": [{"step", "seconds", "compiled", ...}],
     "compiled": [kernels compiled here], "compile_count", "cache_loads" (kernel versions loaded from
     the on-disk cache), "cache_dirs", "uncached" (kernels with no on-disk cache), "manifest",
-    "warnings" (as text), "numba", "shape", "bank"}``. A second call in the same process compiles
+    "warnings" (as text; warnings raised during the run are caught on the main thread only), "numba",
+    "shape", "bank"}``. A second call in the same process compiles
     nothing. A cache that cannot be written is a warning in the result, never an error.
     """
     t_all = time.perf_counter()
-    with _LOCK, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    # warnings.catch_warnings swaps process-wide state: entered in a thread (an engine's warm-up on
+    # kvz's load thread), its exit restores what it saved and wipes any catch_warnings the main thread
+    # entered meanwhile (and records the other threads' warnings as its own). So it records warnings
+    # on the main thread only; elsewhere they go where the process sends them, and the report's
+    # "warnings" holds only its own notes.
+    record = threading.current_thread() is threading.main_thread()
+    with _LOCK, (warnings.catch_warnings(record=True) if record else contextlib.nullcontext([])) as caught:
+        if record:
+            warnings.simplefilter("always")
         t0 = time.perf_counter()
         import numba
 

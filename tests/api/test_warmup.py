@@ -43,6 +43,33 @@ def test_warmup_returns_its_report_and_a_second_call_compiles_nothing():
     assert alignpred.warmup(profiles=("fast",), lossless=False, shape=SMALL, full=True)["how"] == "run"
 
 
+def test_warmup_on_a_thread_leaves_the_main_threads_warning_capture_alone():
+    """An engine warms kvz up on kvz's load thread while the engine's main thread records warnings
+    (vLLM's harness did): the warm-up's exit must not wipe that capture (it did: warnings.catch_warnings
+    on the thread restored the state it saved at entry, and later warnings went to stderr instead)."""
+    import threading
+    import warnings
+
+    inside, entered = threading.Event(), threading.Event()
+    out = {}
+
+    def step(_):  # called inside the warm-up's run: hold it there until the main thread captures
+        inside.set()
+        entered.wait(30)
+
+    t = threading.Thread(target=lambda: out.update(r=alignpred.warmup(profiles=("fast",), lossless=False,
+                                                                      shape=SMALL, full=True, progress=step)))
+    t.start()
+    assert inside.wait(120)
+    with warnings.catch_warnings(record=True) as caught:  # entered while the warm-up runs on its thread
+        warnings.simplefilter("always")
+        entered.set()
+        t.join(120)
+        warnings.warn("after the warm-up", UserWarning, stacklevel=1)
+    assert not t.is_alive() and out["r"]["how"] == "run"
+    assert [str(w.message) for w in caught if str(w.message) == "after the warm-up"] == ["after the warm-up"]
+
+
 def test_after_warmup_a_request_of_another_size_compiles_nothing():
     alignpred.warmup(profiles=("fast",), lossless=False, shape=SMALL)
     hits = sum(sum(d.stats.cache_hits.values()) for d in kernel_dispatchers())
