@@ -100,7 +100,8 @@ def weights_fingerprint(model) -> str | None:
         files = _files(path)
         if not files:
             return None
-        stamp = (os.path.realpath(path), tuple((n, os.stat(f).st_size, os.stat(f).st_mtime_ns) for n, f in files))
+        stats = [(n, os.stat(f)) for n, f in files]
+        stamp = (os.path.realpath(path), tuple((n, st.st_size, st.st_mtime_ns) for n, st in stats))
         with _lock:
             if stamp in _memo:
                 return _memo[stamp]
