@@ -77,7 +77,7 @@ def _kl_option(value):
     """``--target-kl``: a positive number or ``fp8`` (the KL FP8 e4m3 reaches), as a float."""
     if value is None:
         return None
-    from alignpred.codec.budget import named_kl
+    from alignpred.codec import named_kl
 
     try:
         return named_kl(value)
