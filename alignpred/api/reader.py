@@ -200,9 +200,8 @@ class KvzReader:
         contiguous span per tensor and tier (a tensor's objects lie together, in index order, kvz.md
         §5), so that a source can fetch a layer with a few ranged reads ahead of its decode.
         ``tier`` as in :meth:`iter_layers` (None: the best the file has, its refinement too)."""
-        a, b, _ = self._range(tokens, [int(layer)])
-        S = self.config.object_size
-        j0, j1 = a // S, -(-b // S)
+        a, b, _ = self.selection(tokens, [int(layer)])
+        j0, j1 = a // self.config.object_size, -(-b // self.config.object_size)
         n_obj = self.n_objects_per_tensor
         tiers = (0, 1) if self._tier(tier) else (0,)
         out = []
@@ -261,7 +260,16 @@ class KvzReader:
             total += len(raw)
         return total
 
-    def _range(self, tokens, layers):
+    def selection(self, tokens=None, layers=None) -> tuple[int, int, list[int]]:
+        """``(a, b, layers)``: the token range and the sorted layer indices that ``tokens`` and
+        ``layers`` (as :meth:`read` takes them: ``None`` for all, ``(a, b)``, a count or indices)
+        select, checked against this file (:class:`~alignpred.errors.KvzError` if out of range).
+
+        >>> import numpy as np
+        >>> from alignpred import Cache, KvzReader, compress_bytes, fit_bank
+        >>> c = Cache.from_arrays([(np.random.default_rng(0).standard_normal((2, 64, 16)).astype(np.float16),) * 2] * 3)
+        >>> KvzReader(compress_bytes(c, budget=0.05, bank=(b := fit_bank([c], rank=None))), bank=b).selection((8, 40), 2)
+        (8, 40, [0, 1])"""
         lay = self.layout
         a, b = (0, lay.n_tokens) if tokens is None else (int(tokens[0]), int(tokens[1]))
         if not (0 <= a < b <= lay.n_tokens):
@@ -392,7 +400,7 @@ class KvzReader:
 
     def _named(self, tokens, layers, out, tier, whole: bool):
         lay = self.layout
-        a, b, sel = self._range(tokens, layers)
+        a, b, sel = self.selection(tokens, layers)
         for _, name, arr in self._decode(a, b, sel, out, tier, whole=whole):
             if out is None and lay.batch_dim:
                 arr = arr[None]
@@ -431,7 +439,7 @@ class KvzReader:
         """Decode into the caller's buffers (see :meth:`iter_layers`); returns ``out``. Memory
         beyond the buffers stays bounded however long the range: tokens are decoded a tile
         (``TILE_TOKENS``) at a time through every layer."""
-        a, b, sel = self._range(tokens, layers)
+        a, b, sel = self.selection(tokens, layers)
         for _ in self._decode(a, b, sel, out, tier, tiled=True):
             pass
         return out
@@ -442,7 +450,7 @@ class KvzReader:
         from position 0 (the file's token ``t`` is position ``position_offset + t``)."""
         from alignpred.cache.paged import scatter
 
-        a, b, _ = self._range(tokens, layers)
+        a, b, _ = self.selection(tokens, layers)
         at = self.layout.position_offset + a
         for i, k, v in self.layers((a, b), layers, tier=tier):
             scatter(k[0] if k.ndim == 4 else k, k_pools[i], block_table, at)
@@ -458,7 +466,7 @@ class KvzReader:
         from alignpred.io import atomic_file
 
         lay = self.layout
-        a, b, sel = self._range(tokens, layers)
+        a, b, sel = self.selection(tokens, layers)
         S = self.config.object_size
         n_tok = b - a
         shape = lay.with_tokens(n_tok).tensor_shape()

@@ -208,7 +208,7 @@ class GpuDecoder:
 
 
 def _range(reader, tokens, layers):
-    a, b, sel = reader._range(tokens, layers)
+    a, b, sel = reader.selection(tokens, layers)
     S = reader.config.object_size
     return a, b, sel, a // S, -(-b // S)
 

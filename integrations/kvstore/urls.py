@@ -82,12 +82,23 @@ def _ssl_from_env(opts: dict) -> dict:
     return out
 
 
-def open_url(url, **kw):
+def open_url(url, *, budget_gb=None, **kw):
     """The backend a store URL names (see the module docstring); ``kw``: backend arguments
     (``budget_bytes``, ``namespace``, ``ttl_s``, ``policy``, ``shards`` …), those a backend does not
-    take are ignored (a directory has no namespace). A directory is created if missing. Nothing
-    is contacted here: a Redis store that is down answers misses (and warns) when used;
-    ``backend.check()`` raises instead."""
+    take are ignored (a directory has no namespace). ``budget_gb`` (a number or its string, as engine
+    configurations give it) is ``budget_bytes`` in GiB, where ``budget_bytes`` is not given. A
+    directory is created if missing. Nothing is contacted here: a Redis store that is down answers
+    misses (and warns) when used; ``backend.check()`` raises instead.
+
+    The one factory of stores: the vLLM connector, LMCache's plugins, SGLang's HiCache backend, the
+    chunk store and ``kvz store`` all call it.
+
+    >>> import tempfile
+    >>> from kvz.integrations.kvstore import open_url
+    >>> store = open_url(tempfile.mkdtemp(), budget_gb="0.5")
+    >>> type(store).__name__, store.budget_bytes
+    ('DirectoryBackend', 536870912)
+    """
     from .cluster import RedisClusterBackend
     from .directory import DirectoryBackend
     from .redis_backend import RedisBackend
@@ -96,6 +107,11 @@ def open_url(url, **kw):
         raise StoreError("no store URL: give a directory, redis://host:port/db or redis+cluster://host:port,...")
     url = os.fspath(url) if not isinstance(url, str) else url
     given = {k: v for k, v in kw.items() if v is not None}
+    if budget_gb not in (None, "") and "budget_bytes" not in given:
+        try:
+            given["budget_bytes"] = int(float(budget_gb) * (1 << 30))
+        except (TypeError, ValueError):
+            raise StoreError(f"bad store budget {budget_gb!r} GiB: need a number") from None
     kind = scheme_of(url)
     if kind == "directory":
         path = url[len("file://"):] if url.startswith("file://") else url

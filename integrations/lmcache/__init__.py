@@ -24,7 +24,6 @@ _EXPORTS = {
     "KvzChunkCodec": ".kvcodec",
     "metadata_from_file": ".kvcodec",
     "model_metadata": ".kvcodec",
-    "backend_from_url": ".kvcodec",
     "as_numpy": ("alignpred.cache", "as_numpy"),  # the one as_numpy (kept here for the adapters)
     "as_bool": ".kvcodec",
     "codec_from_options": ".kvcodec",

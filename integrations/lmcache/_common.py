@@ -9,8 +9,9 @@ import warnings
 import numpy as np
 
 from alignpred.cache import as_numpy
+from kvz.integrations.kvstore import open_url
 
-from .kvcodec import KvzChunkCodec, as_bool, backend_from_url
+from .kvcodec import KvzChunkCodec, as_bool
 
 
 class KvzLMCacheWarning(RuntimeWarning):
@@ -81,12 +82,11 @@ def num_heads_of(metadata) -> int:
 
 def backend_from_options(opts: dict, key: str, prefix: str, hint: str):
     """The chunk-store backend named by ``opts[key]`` (a URL or directory, see
-    :func:`~.kvcodec.backend_from_url`), with the byte budget ``max_size_gb`` if set."""
+    :func:`kvz.integrations.kvstore.open_url`), with the byte budget ``max_size_gb`` if set."""
     url = opts.get(key)
     if not url:
         raise ValueError(f"set {prefix}.{key} ({hint})")
-    gb = opts.get("max_size_gb")
-    return backend_from_url(str(url), int(float(gb) * (1 << 30)) if gb else None)
+    return open_url(str(url), budget_gb=opts.get("max_size_gb"))
 
 
 def start_warmup(codec: KvzChunkCodec, metadata, opts: dict, who: str) -> None:

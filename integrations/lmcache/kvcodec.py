@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["KvzChunkCodec", "DEFAULT_EPS", "as_bool", "backend_from_url", "codec_from_options", "metadata_from_file",
+__all__ = ["KvzChunkCodec", "DEFAULT_EPS", "as_bool", "codec_from_options", "metadata_from_file",
            "model_metadata", "MODEL_FIELDS"]
 
 # The cache metadata fields that describe the model (not one cache): what an adapter configures once.
@@ -55,15 +55,6 @@ def metadata_from_file(path) -> dict:
 def as_bool(v) -> bool:
     """A configuration flag: ``true/1/yes/on`` (any case) in a string, else Python truth."""
     return v.strip().lower() in ("1", "true", "yes", "on") if isinstance(v, str) else bool(v)
-
-
-def backend_from_url(url: str, budget_bytes: int | None = None):
-    """A kvz chunk-store backend for a store URL (:func:`kvz.integrations.kvstore.open_url`):
-    ``redis://host:port/db`` (also ``rediss://``, ``unix://``), ``redis+cluster://host:port,host:port/``
-    (``rediss+cluster://``) or a directory (``file:///path`` or a plain path)."""
-    from kvz.integrations.kvstore import open_url
-
-    return open_url(url, budget_bytes=budget_bytes)
 
 
 @dataclass

@@ -36,9 +36,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvz.integrations.fingerprint import weights_fingerprint
+from kvz.integrations.kvstore import open_url
 from kvz.integrations.lmcache import (  # the engine-free chunk codec (imports no LMCache)
     as_numpy,
-    backend_from_url,
     codec_from_options,
 )
 
@@ -117,8 +117,7 @@ class KvzHiCacheStorage(HiCacheStorage):
             url = extra.get("kvz_url")
             if not url:
                 raise ValueError("set kvz_url in the HiCache extra config (redis://host:port/db or a directory)")
-            gb = extra.get("kvz_max_size_gb")
-            backend = backend_from_url(str(url), int(float(gb) * (1 << 30)) if gb else None)
+            backend = open_url(str(url), budget_gb=extra.get("kvz_max_size_gb"))
         self.backend = backend
         model = "-".join((storage_config.model_name or "").split("/"))
         suffix = f"_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"

@@ -5,7 +5,7 @@ Importing this package does not import vLLM; ``KvzConnector`` is loaded on first
 """
 from __future__ import annotations
 
-__all__ = ["KvzConnector", "KvzConnectorMetadata", "BlockStore", "KvzVllmWarning", "open_backend", "convert_model",
+__all__ = ["KvzConnector", "KvzConnectorMetadata", "BlockStore", "KvzVllmWarning", "DEFAULT_STORE", "convert_model",
            "mean_kl", "choose_profile"]
 
 
@@ -26,7 +26,7 @@ def __getattr__(name):
         from .convert import convert
 
         return convert
-    if name in ("BlockStore", "KvzVllmWarning", "open_backend"):
+    if name in ("BlockStore", "KvzVllmWarning", "DEFAULT_STORE"):
         from . import store
 
         return getattr(store, name)

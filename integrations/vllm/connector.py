@@ -57,10 +57,12 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 
+from kvz.integrations.kvstore import open_url
+
 from .meta import KvzConnectorMetadata, LoadSpec, RequestState, SaveSpec
 from .model import model_info
 from .paged import PagedLayout, debug_dump
-from .store import BlockStore, open_backend, warn
+from .store import DEFAULT_STORE, BlockStore, warn
 from .window import load_starts, window_setting
 
 if TYPE_CHECKING:
@@ -116,12 +118,10 @@ class KvzConnector(KVConnectorBase_V1):
                              "(auto, default, balanced or fast)")
         self.profile_choice: dict = {"profile": None if self.profile_setting == "auto" else self.profile_setting,
                                      "setting": self.profile_setting, "reason": "as configured"}
-        kw: dict[str, Any] = {}
-        if get("budget_bytes", None) is not None:
-            kw["budget_bytes"] = int(get("budget_bytes", None))
-        if get("namespace", None) is not None:
-            kw["namespace"] = str(get("namespace", None))
-        self.backend = open_backend(get("store", None), **kw)
+        kw: dict[str, Any] = {k: f(get(k, None)) for k, f in (("budget_bytes", int), ("namespace", str))
+                              if get(k, None) is not None}
+        store_url = str(get("store", None) or DEFAULT_STORE)
+        self.backend = open_url(store_url, **kw)
         settings = dict(model_id=get("model_id", info["model_id"]), block_size=self.block_size,
                         layer_types=info["layer_types"], rope_theta=info["rope_theta"], shape=info["shape"],
                         dtype=info["dtype"], eps=eps, target_kl=target_kl, any_prefix=any_prefix,
@@ -131,7 +131,7 @@ class KvzConnector(KVConnectorBase_V1):
         self.store = BlockStore(self.backend, **settings)
         # kvz's decode process (decode_worker): the same store and settings, opened there
         self.decode_process = bool(get("decode_process", True))
-        self._decoder_args = (get("store", None), kw, settings)
+        self._decoder_args = (store_url, kw, settings)
         self._decoder: Any = None
         self.lossy = not lossless
         # scheduler side

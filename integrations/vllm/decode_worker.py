@@ -126,7 +126,7 @@ class _Step:
 class DecodeWorker:
     """The engine's handle on kvz's decode process (see the module docstring).
 
-    ``store_url``/``store_kw``: what :func:`~kvz.integrations.vllm.store.open_backend` takes;
+    ``store_url``/``store_kw``: what :func:`kvz.integrations.kvstore.open_url` takes;
     ``store_settings``: :class:`~kvz.integrations.vllm.store.BlockStore`'s keyword arguments (plain
     values); ``cores``: the CPUs the child is pinned to; ``threads``: its decode threads there;
     ``idle_cores``: CPUs it also decodes on, one idle-priority thread each (see the module docstring);
@@ -309,8 +309,9 @@ def _place_threads(cores: list, threads: int, idle: list) -> list:
 
 def _child(fd: int) -> int:
     from alignpred.cache import numpy_dtype
+    from kvz.integrations.kvstore import open_url
 
-    from .store import BlockStore, open_backend
+    from .store import BlockStore
     from .window import windowed_layers
 
     conn = Connection(fd)
@@ -322,7 +323,7 @@ def _child(fd: int) -> int:
     placement = _place_threads(list(cores), int(threads), list(idle))
     split = SPLIT if idle else 1
     threads = max(1, int(threads)) + len(idle)
-    store = BlockStore(open_backend(url, **store_kw), **settings)
+    store = BlockStore(open_url(url, **store_kw), **settings)
     t0 = time.perf_counter()
     try:
         store.warmup()

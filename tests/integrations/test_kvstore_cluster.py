@@ -106,6 +106,12 @@ def test_open_url_kinds_and_parameters(tmp_path, monkeypatch):
         RedisClusterBackend("redis://h:1/0")
     with pytest.raises(StoreError):
         open_url("")
+    # engine configurations give the budget in GiB, as a string (LMCache max_size_gb, SGLang kvz_max_size_gb)
+    assert open_url(str(tmp_path / "g"), budget_gb="0.25").budget_bytes == 1 << 28
+    assert open_url(str(tmp_path / "g"), budget_gb=1, budget_bytes=7).budget_bytes == 7  # bytes win
+    assert open_url(str(tmp_path / "g"), budget_gb="").budget_bytes is None
+    with pytest.raises(StoreError, match="GiB"):
+        open_url(str(tmp_path / "g"), budget_gb="lots")
 
 
 # ---- layout -----------------------------------------------------------------------------------------

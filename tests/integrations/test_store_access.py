@@ -3,7 +3,7 @@
 without its commands, and an unreachable store are
 
 * in the engines' store layers — the vLLM connector's :class:`~kvz.integrations.vllm.store.BlockStore`
-  over ``open_backend`` (what the connector builds), its ``auto`` profile's bandwidth probe, and the
+  over ``open_url`` (what the connector builds), its ``auto`` profile's bandwidth probe, and the
   chunk store (:class:`~kvz.integrations.chunkstore.ChunkStore`, under LMCache and SGLang) — misses and
   refused puts with exactly one clear warning, and no call raises;
 * in the CLI (``kvz store stats URL``, ``kvz store gc URL``) one ``Error:`` line and exit status 1;
@@ -155,15 +155,16 @@ def test_vllm_block_store_one_warning_and_misses(secured, case_env, one_block, c
     """What the vLLM connector does with its store, in order: the ``auto`` profile's bandwidth probe
     (warm-up), a lookup at scheduling, a save after the prefill, the next request's lookup. All miss
     or refuse, nothing raises, one warning in all, no password in it or in any log record."""
+    from kvz.integrations.kvstore import open_url
     from kvz.integrations.vllm import profile_choice as pc
-    from kvz.integrations.vllm.store import BlockStore, open_backend
+    from kvz.integrations.vllm.store import BlockStore
 
     case = case_env
     ids, kv, types, thetas = one_block
     caplog.set_level(logging.DEBUG)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        backend = open_backend(secured.case_url(case), namespace=CASES[case][3], reconnect_interval=0)
+        backend = open_url(secured.case_url(case), namespace=CASES[case][3], reconnect_interval=0)
         store = BlockStore(backend, model_id="gemma-3-270m-test", block_size=128, layer_types=types,
                            rope_theta=thetas, shape=(18, 1, 256), dtype="bfloat16", bank="gemma-3-270m", threads=1)
         assert pc.measure_read(backend, nbytes=1 << 16) == 0.0
