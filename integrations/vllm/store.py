@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -49,15 +48,7 @@ def block_digest(ids) -> str:
     return hashlib.sha256(np.asarray(ids, dtype="<u4").tobytes()).hexdigest()[:32]
 
 
-def open_backend(url: str | None, **kw):
-    """A backend from a store URL (:func:`kvz.integrations.kvstore.open_url`: a directory, ``file://…``,
-    ``redis://…``, ``rediss://…``, ``unix://…``, ``redis+cluster://host:port,host:port/``); default
-    ``~/.cache/kvz/vllm``."""
-    from kvz.integrations.kvstore import open_url
-
-    if url is None or url == "":
-        url = os.path.join(os.path.expanduser("~"), ".cache", "kvz", "vllm")
-    return open_url(str(url), **kw)
+DEFAULT_STORE = "~/.cache/kvz/vllm"  # the connector's store where kv_connector_extra_config has no "store"
 
 
 @dataclass
@@ -132,7 +123,7 @@ class BlockStore:
             self.binding.update(self.budget.binding())
         self._bind = hashlib.sha256(json.dumps(self.binding, sort_keys=True, separators=(",", ":")).encode()).digest()
         self._lock = threading.Lock()
-        self.runs: list[dict] = []  # what this object stored: key, first block, blocks, bytes
+        self.runs: list[dict] = []  # what this object stored: key, first block, blocks, bytes, first block's digest
         self.counters: dict[str, float] = dict.fromkeys(
             ("lookups", "hit_blocks", "misses", "runs_stored", "blocks_stored", "stored_bytes", "raw_bytes",
              "bad_entries", "encode_s", "decode_s"), 0)
@@ -339,7 +330,8 @@ class BlockStore:
                 self.counters["stored_bytes"] += len(blob)
                 self.counters["raw_bytes"] += raw
                 self.counters["encode_s"] += time.perf_counter() - t0
-                self.runs.append({"key": rk, "first_block": int(first_block), "blocks": n, "bytes": len(blob)})
+                self.runs.append({"key": rk, "first_block": int(first_block), "blocks": n, "bytes": len(blob),
+                                  "first_digest": digests[0]})
             return len(blob)
         except Exception as e:  # noqa: BLE001 - a failed store is a future miss, never a failed request
             warn(f"kvz: storing {n} blocks failed ({type(e).__name__}: {e})")
