@@ -49,10 +49,13 @@ def _rate(text: str) -> float:
     return float(parse_rate(text))
 
 
-def transcode(src_dir: str, dst_dir: str, runs: list, token_ids: list, profile: str, eps: float | None = None) -> dict:
+def transcode(src_dir: str, dst_dir: str, runs: list, token_ids: list, profile: str, eps: float | None = None, *,
+              weights: str | None) -> dict:
     """Store in ``dst_dir`` what a writer in ``profile`` (lossy: the connector's default budget, or
     ``eps`` in the tensor scope) stores for ``token_ids``,
-    from the lossless runs of ``src_dir`` (decoded to the exact KV the writer computed)."""
+    from the lossless runs of ``src_dir`` (decoded to the exact KV the writer computed). ``weights``:
+    the served model's :func:`~kvz.integrations.fingerprint.weights_fingerprint`, which the engine's
+    keys bind (without it every key differs from the reader's: a miss)."""
     from alignpred import KvzReader
     from kvz.integrations.kvstore import DirectoryBackend
     from kvz.integrations.vllm import BlockStore
@@ -68,7 +71,7 @@ def transcode(src_dir: str, dst_dir: str, runs: list, token_ids: list, profile: 
             out = BlockStore(DirectoryBackend(dst_dir), model_id=meta["model"], block_size=int(r.layout.n_tokens //
                              run["blocks"]), layer_types=json.loads(meta["layer_types"]),
                              rope_theta=json.loads(meta["rope_theta"]), shape=(L, H, D), dtype="bfloat16", eps=eps,
-                             bank="gemma-3-270m", threads=1, profile=profile)
+                             bank="gemma-3-270m", threads=1, profile=profile, weights=weights)
         kv = [(k, v) for _, k, v in r.layers()]
         first = int(run["first_block"])
         hashes = out.block_hashes(token_ids, first + run["blocks"])[first:]
@@ -111,6 +114,7 @@ def run(size: int, model_dir: str, *, rounds: int = 3, links=("1g", "10g"), work
         topk: int = 20, recompute_rounds: int | None = None, log=print) -> dict:
     """The rows at ``size`` tokens; ``recompute_rounds`` (default ``rounds``): the no-connector prefills,
     fewer where a full prefill is slow (bf16 without AMX or AVX-512 BF16 runs vLLM's torch fallback)."""
+    from kvz.integrations.fingerprint import weights_fingerprint
     from kvz.integrations.kvstore import RedisServer
     from kvz.integrations.vllm import mean_kl
 
@@ -147,7 +151,7 @@ def run(size: int, model_dir: str, *, rounds: int = 3, links=("1g", "10g"), work
     for p in PROFILES:
         d = str(root / f"kvz-{p}")
         if not Path(d).exists():
-            made[p] = transcode(lossless_dir, d, runs, reader, p)
+            made[p] = transcode(lossless_dir, d, runs, reader, p, weights=weights_fingerprint(model_dir))
             log(f"  transcoded {p}: {made[p]}")
     auto = choose_auto(str(root / "probe-store"), size, load_cores)
     log(f"  auto: {auto['reason']}")

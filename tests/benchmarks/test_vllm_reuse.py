@@ -44,14 +44,16 @@ def test_transcoded_store_is_what_a_writer_in_that_profile_stores(tmp_path, samp
           for i in range(18)]
     kw = dict(model_id="m", block_size=128, layer_types=json.loads(c.metadata["layer_types"]),
               rope_theta=json.loads(c.metadata["rope_theta"]), shape=(18, 1, 256), dtype="bfloat16",
-              bank="gemma-3-270m", threads=1)
+              bank="gemma-3-270m", threads=1, weights="w-test")
     src = BlockStore(DirectoryBackend(str(tmp_path / "ll")), lossless=True, **kw)
     src.put_run(ids, 0, kv, src.block_hashes(ids, 2))
     # the benchmark's default: the connector's default budget, found by a reader with no setting
-    got = transcode(str(tmp_path / "ll"), str(tmp_path / "auto"), src.runs, ids, "fast")
+    got = transcode(str(tmp_path / "ll"), str(tmp_path / "auto"), src.runs, ids, "fast", weights="w-test")
     assert got["profile"] == "fast" and got["bytes"] > 0
     assert BlockStore(DirectoryBackend(str(tmp_path / "auto")), **kw).lookup(ids, 2)[0] == 2
-    got = transcode(str(tmp_path / "ll"), str(tmp_path / "fast"), src.runs, ids, "fast", eps=0.02)
+    # the engine's keys bind the served checkpoint's fingerprint: a store made without it is a miss
+    assert BlockStore(DirectoryBackend(str(tmp_path / "auto")), **{**kw, "weights": None}).lookup(ids, 2)[0] == 0
+    got = transcode(str(tmp_path / "ll"), str(tmp_path / "fast"), src.runs, ids, "fast", eps=0.02, weights="w-test")
     dst = BlockStore(DirectoryBackend(str(tmp_path / "fast")), eps=0.02, **kw)
     n, segs = dst.lookup(ids, 2)
     assert n == 2
