@@ -10,9 +10,10 @@ directory store, a writer into Redis. The test then damages two stored runs. Pha
 the directory store and a reader of Redis behind a 2 Mbit/s link with a 3 s deadline. Phase 3: a
 reader of Redis behind an 8 Mbit/s link whose server the test stops once part of the load has
 crossed the link. On a 3-master Redis Cluster (``cluster_runs``, its own engines: ``-k cluster`` runs
-only them): a reference and a writer, then a reader whose every cluster node is behind an 8 Mbit/s
-proxy of its own; the test SIGKILLs the master of the stored run's slot once part of the load has
-crossed that master's link."""
+only them): a reference and a writer; then two engines, one cluster (a second engine process reads
+what the first stored); then a reader whose every cluster node is behind an 8 Mbit/s proxy of its
+own, and the test SIGKILLs the master of the stored run's slot once part of the load has crossed
+that master's link."""
 import hashlib
 import json
 import os
@@ -177,24 +178,44 @@ CLUSTER_DEADLINE_S = 10.0
 
 @pytest.fixture(scope="module")
 def cluster_runs(tmp_path_factory, gemma_hf_dir):
+    """Engines over one 3-master Redis Cluster of the test's own (no replica: it would replicate
+    through the proxies). Phase 1 (in parallel): a reference without a connector (R2) and a writer into
+    the cluster (lossless: A of test_connector, then R2). Phase 2: two engines, one cluster — a second
+    engine process reads A and B from it. Phase 3: a reader of R2 whose every cluster node is behind an
+    8 Mbit/s proxy of its own; the test SIGKILLs the master of R2's slot once part of the load has
+    crossed that master's link."""
     require_redis()
     from kvz_test_helpers import cluster_behind_proxies
+    from test_connector import _prompts as connector_prompts
 
     from kvz.integrations.kvstore import RedisClusterBackend, RedisClusterServer
+    from kvz.integrations.vllm.store import block_digest
 
     tmp = tmp_path_factory.mktemp("vllm-layerwise-cluster")
     P = _prompts(gemma_hf_dir)
+    A, B, _ = connector_prompts(gemma_hf_dir)
     cores = sorted(os.sched_getaffinity(0))
     c0, c1 = cores[0], cores[-1]
     ns = {"namespace": "layerwise"}
-    out: dict = {}
-    with RedisClusterServer(masters=3, replicas=0) as cl:  # no replica: it would replicate through the proxies
+    out: dict = {"_A": A}
+    with RedisClusterServer(masters=3, replicas=0) as cl:
+        store = {"store": cl.url, "lossless": True, **ns}
         out.update(_wait({"ref": _spec(tmp, "ref", gemma_hf_dir, [P["R2"]], None, c0),
-                          "write": _spec(tmp, "write", gemma_hf_dir, [P["R2"]], {"store": cl.url, **ns}, c1)}))
-        run = _run_of(out["write"], 0)[0]
+                          "write": _spec(tmp, "write", gemma_hf_dir, [A, P["R2"]], store, c1)}))
+        out.update(_wait({"two": _spec(tmp, "two", gemma_hf_dir, [A, B], {**store, "read_only": True}, c0,
+                                       kl_reference="write")}))
+        # where the writer's entries are: one slot, on one of the masters
         be = RedisClusterBackend(cl.url, **ns)
-        victim = cl.master_of_key(be.entry_key(run["key"]))  # the master of the run's slot
-        be.close()
+        try:
+            out["_keys"] = be.keys()
+            out["_slot_master"] = {r["key"]: cl.master_of_key(be.entry_key(r["key"]))
+                                   for r in out["write"]["connector"]["runs"]}
+            out["_masters"] = list(cl.masters())
+        finally:
+            be.close()
+        (run,) = [r for r in out["write"]["connector"]["runs"]
+                  if r["first_block"] == 0 and r["first_digest"] == block_digest(P["R2"][:BS])]
+        victim = out["_slot_master"][run["key"]]
         out["_run"], out["_victim"] = run, victim
         threshold = max(200_000, run["bytes"] // 5)
         with cluster_behind_proxies(cl, 8e6) as (url, proxies):
@@ -211,12 +232,40 @@ def cluster_runs(tmp_path_factory, gemma_hf_dir):
             w = threading.Thread(target=watch, daemon=True)
             w.start()
             out.update(_wait({"read": _spec(tmp, "read", gemma_hf_dir, [P["R2"]],
-                                            {"store": url, "read_only": True, "load_deadline_s": CLUSTER_DEADLINE_S,
-                                             **ns}, c1)}))
+                                            {**store, "store": url, "read_only": True,
+                                             "load_deadline_s": CLUSTER_DEADLINE_S}, c1)}))
             killed["end"] = True
             w.join(5)
             out["_killed"] = killed
     return out
+
+
+def test_cluster_second_engine_gives_the_single_engine_tokens(cluster_runs):
+    """Two engines, one cluster: the second engine process loads every full block of A that the first
+    stored, and its greedy tokens are the first's (which computed A itself: what one engine alone
+    gives); B shares A's first 300 tokens and takes their two full blocks."""
+    w, r = cluster_runs["write"]["results"], cluster_runs["two"]["results"]
+    A = cluster_runs["_A"]
+    assert w[0]["cached_tokens"] == 0
+    assert r[0]["cached_tokens"] == (len(A) - 1) // BS * BS == 512
+    assert r[0]["tokens"] == w[0]["tokens"], "the second engine's greedy tokens differ from a single engine's"
+    assert r[0]["kl_vs_reference"] is not None and r[0]["kl_vs_reference"] < 0.01, r[0]["kl_vs_reference"]
+    # B's tokens are not compared: a partial hit computes the rest of the prompt in other matmul shapes
+    # than a full prefill, and greedy decoding follows the rounding (measured: the first token differed)
+    assert r[1]["cached_tokens"] == 300 // BS * BS == 256
+    assert cluster_runs["two"]["connector"]["timings"]["loaded_blocks"] == 4 + 2
+    warned = [x for x in cluster_runs["two"]["warnings"] + cluster_runs["write"]["warnings"]
+              if x.startswith(("KvzVllmWarning", "Store"))]  # "Category: message"
+    assert not warned, warned
+
+
+def test_cluster_holds_the_prefix(cluster_runs):
+    """The writer's runs are entries of the namespace on the cluster (each in one slot, on a master),
+    and the second engine found them there, not in anything the two processes share besides it."""
+    written = [x["key"] for x in cluster_runs["write"]["connector"]["runs"]]
+    assert len(written) == 2 and set(written) <= set(cluster_runs["_keys"]), (written, cluster_runs["_keys"])
+    assert set(cluster_runs["_slot_master"].values()) <= set(cluster_runs["_masters"])
+    assert cluster_runs["two"]["connector"].get("runs", []) == []  # read-only: it stored nothing
 
 
 def test_redis_cluster_master_killed_between_layers_recomputes(cluster_runs):
