@@ -65,7 +65,7 @@ class StoreBudget:
 
         if eps is not None and target_kl is not None:
             raise KvzError("give the store eps or target_kl, not both")
-        if eps is not None and scope != "attention":
+        if eps is not None and not _attention(scope):
             e = _eps(eps)
             return cls(scope or "tensor", e, None, None, f"{scope or 'tensor'} scope, eps {e:g} (as configured)")
         stats = _engine_stats(bank, any_prefix)
@@ -109,7 +109,7 @@ class StoreBudget:
         """What a store's keys bind: a different budget never matches stale KV."""
         out = {"scope": self.scope, "eps": None if self.eps is None else round(self.eps, 6),
                "target_kl": self.target_kl}
-        if self.scope == "attention" and not self.any_prefix:
+        if _attention(self.scope) and not self.any_prefix:
             out["any_prefix"] = False
         return out
 
@@ -120,6 +120,14 @@ class StoreBudget:
 def engine_budget(bank, *, eps=None, target_kl=None, scope: str | None = None):
     """:meth:`StoreBudget.choose`'s :class:`~alignpred.ErrorBudget` (``compress(..., budget=...)``)."""
     return StoreBudget.choose(bank, eps=eps, target_kl=target_kl, scope=scope).budget()
+
+
+def _attention(scope) -> bool:
+    """Whether ``scope`` (a name or None) measures as the attention scope does (its strategy,
+    :func:`alignpred.codec.scope_of`; None or an unknown name does not)."""
+    from alignpred.codec import SCOPES, scope_of
+
+    return scope in SCOPES and scope_of(scope).attention
 
 
 def _eps(v) -> float:

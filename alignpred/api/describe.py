@@ -6,6 +6,7 @@ import json
 import math
 
 from alignpred.codec.budget import STEP_UNIT
+from alignpred.codec.scopes import scope_of
 from alignpred.format.container import ENTRY_SIZE
 
 
@@ -63,4 +64,4 @@ def summarize(reader) -> dict:
             "file_bytes": size, "n_values": lay.n_values, "bpv": 8.0 * size / lay.n_values,
             "nrmse_pooled": math.sqrt(tot_e / tot_n) if tot_n > 0 else 0.0,
             "nrmse_max_tensor": max(v["nrmse"] for v in per.values()), "tensors": per, "error_measure":
-            "attention" if reader.scope == "attention" else "plain", "plain_cap": float(codec.get("plain_cap", 0.0))}
+            scope_of(reader.scope).measure, "plain_cap": float(codec.get("plain_cap", 0.0))}

@@ -331,12 +331,13 @@ def _compress(cache, out, *, budget: ErrorBudget, bank, config: CodecConfig, pro
     bank_ref = bank
     bank = resolve_bank(bank, lay)
     codes = rcodes = None
-    if budget.auto_scope and budget.scope == "weighted" and (
+    better = budget.strategy.stats_scope  # --target-kl: the best scope this bank supports
+    if budget.auto_scope and better is not None and (
             attention_stats is not None or _bank_stats(bank_ref, bank, quiet=True) is not None):
         from dataclasses import replace
 
-        budget = replace(budget, scope="attention")  # --target-kl: the best scope this bank supports
-    if budget.scope == "attention":
+        budget = replace(budget, scope=better)
+    if budget.strategy.attention:
         config, codes = _attention_steps(bank_ref, bank, lay, config, attention_stats)
         config, rcodes = _row_steps(cache, lay, config, capture_stats)
     elif attention_stats is not None or capture_stats is not None:

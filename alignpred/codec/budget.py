@@ -23,14 +23,16 @@ from typing import Any
 
 import numpy as np
 
+from alignpred.codec.scopes import SCOPE_REGISTRY, Scope, scope_of
 from alignpred.errors import KvzError
 
 __all__ = ["ErrorBudget", "SCOPES", "JOINT", "WEIGHTED", "TENSOR_CAP", "PLAIN_CAP", "DEFAULT_EPS", "STEP_UNIT",
            "TensorMeta", "FP8_KL", "named_kl"]
 
-SCOPES = ("object", "tensor", "pooled", "weighted", "attention")
-JOINT = ("pooled", "weighted", "attention")  # scopes whose budget spans the whole cache
-WEIGHTED = ("weighted", "attention")  # scopes whose budget weighs tensors by their effect on the model
+# the scope names (alignpred.codec.scopes), in registry order
+SCOPES = tuple(s.name for s in SCOPE_REGISTRY)
+JOINT = tuple(s.name for s in SCOPE_REGISTRY if s.joint)  # scopes whose budget spans the whole cache
+WEIGHTED = tuple(s.name for s in SCOPE_REGISTRY if s.weighted)  # budget weighs tensors by their effect on the model
 TENSOR_CAP = 3.0  # joint scopes: default cap of every tensor's NRMSE, in multiples of eps
 PLAIN_CAP = 0.5  # attention scope: every tensor's plain NRMSE over the positions a later query reads
 DEFAULT_EPS = 0.03  # what `kvz compress` uses when neither --eps nor --target-kl is given
@@ -108,14 +110,13 @@ class ErrorBudget:
     capture_stats: Any = field(default=None, compare=False, repr=False)  # attention scope: the prefill's
 
     def __post_init__(self):
-        if self.scope not in SCOPES:
-            raise KvzError(f"unknown eps scope {self.scope!r}; use one of {', '.join(SCOPES)}")
+        scope_of(self.scope)  # an unknown scope is a KvzError
         if self.target_kl is not None:
             if self.eps is not None and not self.eps_from_kl:
                 raise KvzError("give eps or target_kl, not both")
             if not (_number(self.target_kl) and self.target_kl > 0):
                 raise KvzError(f"target_kl must be a positive number, got {self.target_kl!r}")
-            if self.scope not in WEIGHTED:
+            if not self.strategy.weighted:
                 object.__setattr__(self, "scope", "weighted")
         elif self.eps is None:
             raise KvzError("give the error bound eps (e.g. eps=0.03) or a quality target target_kl")
@@ -126,14 +127,14 @@ class ErrorBudget:
         if not (_number(self.tensor_cap) and (self.tensor_cap == 0 or 1.0 <= self.tensor_cap < 1e6)):
             raise KvzError(f"tensor_cap must be 0 (no cap) or a number >= 1, got {self.tensor_cap!r}")
         if self.weights is not None:
-            if self.scope not in WEIGHTED:
+            if not self.strategy.weighted:
                 raise KvzError("tensor weights are used by the weighted and attention scopes only")
             if not isinstance(self.weights, dict):
                 raise KvzError("weights must be a mapping {tensor name: positive weight}")
         if not isinstance(self.lossless, bool):
             raise KvzError(f"lossless must be True or False, got {self.lossless!r}")
         if (self.attention_stats is not None or self.capture_stats is not None) and not (
-                self.scope == "attention" or self.auto_scope):
+                self.strategy.attention or self.auto_scope):
             raise KvzError("attention_stats and capture_stats are used by the attention scope only")
 
     @classmethod
@@ -177,8 +178,13 @@ class ErrorBudget:
         raise KvzError(f"budget must be an ErrorBudget or a number (eps, tensor scope), not {budget!r}")
 
     @property
+    def strategy(self) -> Scope:
+        """The scope's strategy (:func:`~alignpred.codec.scopes.scope_of`)."""
+        return scope_of(self.scope)
+
+    @property
     def joint(self) -> bool:
-        return self.scope in JOINT
+        return self.strategy.joint
 
     @property
     def cap(self) -> float:
@@ -188,7 +194,7 @@ class ErrorBudget:
     def tensor_weights(self, names, bank) -> np.ndarray | None:
         """Per-tensor weights in ``names`` order (weighted scope; from the bank's sensitivity
         record when none were given), or None for the other scopes."""
-        if self.scope not in WEIGHTED:
+        if not self.strategy.weighted:
             return None
         from alignpred.bank.registry import sensitivity
 

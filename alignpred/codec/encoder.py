@@ -15,7 +15,7 @@ import numpy as np
 
 from alignpred import entropy
 from alignpred.cache.layout import Block, tensor_name
-from alignpred.codec.budget import JOINT, WEIGHTED, ErrorBudget, TensorMeta
+from alignpred.codec.budget import ErrorBudget, TensorMeta
 from alignpred.codec.chain import OBJ_ZERO, Chain, obj_sums
 from alignpred.codec.measure import Measure
 from alignpred.codec.predictors import BASE_MASK, INTERP, ZERO
@@ -67,10 +67,11 @@ class Encoder(Chain):
         self.budget = budget
         self.eps = float(budget.eps)
         self.scope = budget.scope
+        self.strategy = budget.strategy  # what the scope decides (alignpred.codec.scopes)
         self.tensor_cap = budget.cap
         n_t = 2 * layout.num_layers
         self.weights: np.ndarray | None = None
-        if self.scope in WEIGHTED:
+        if self.strategy.weighted:
             w = np.asarray(weights if weights is not None else [], np.float64).reshape(-1)
             if w.shape != (n_t,) or not np.all(np.isfinite(w)) or not np.all(w > 0):
                 raise EncodeError(f"the {self.scope} scope needs {n_t} positive finite tensor weights")
@@ -225,7 +226,7 @@ class Encoder(Chain):
         modes: list = [None] * n_t
         hists = np.zeros((n_t, H * d, entropy.N_TOKENS), np.int32)
         delta = np.zeros((n_t, self.n_obj), np.float32)
-        if self.scope in JOINT:
+        if self.strategy.joint:
             def evaluate(dt):  # one step per tensor -> (errors per tensor, histograms)
                 preds.clear()  # earlier tensors' reconstructions change with the steps
                 local: dict = {}
@@ -244,23 +245,20 @@ class Encoder(Chain):
             dt, hs = self._pooled_search(evaluate, g0 * self._step_shape(norm_t), norm_t, objs=objs)
             return modes, np.repeat(dt.astype(np.float32)[:, None], self.n_obj, axis=1), np.stack(hs)
         local: dict = {}
+        scope = self.strategy
         for ti in range(n_t):
-            if self.scope == "object":
-                target = self.eps ** 2 * norms[ti, objs]
-                d0 = self.eps * np.sqrt(12.0 * norms[ti, objs] / rows)
-            else:
-                norm = norms[ti, objs].sum()
-                target = np.array([self.eps ** 2 * norm])
-                d0 = np.array([self.eps * np.sqrt(12.0 * norm / rows.sum())])
+            target, d0 = scope.sample_units(self.eps, norms[ti, objs], rows)
             d0 = np.maximum(d0, 1e-30)
-            expand = (lambda dl: dl) if self.scope == "object" else (lambda dl: np.full(len(objs), dl[0]))
+
+            def expand(dl):
+                return scope.expand(dl, len(objs))
 
             preds.clear()  # the sources of tensor ti are fixed during its search
 
             def evaluate(dl):
                 m, err, recs, h, q = code(ti, expand(dl.astype(np.float32)).astype(np.float32), local, modes[ti])
                 modes[ti] = m
-                return (err if self.scope == "object" else np.array([err.sum()])), (recs, h, q, err)
+                return scope.unit_errors(err), (recs, h, q, err)
 
             dl, (recs, hists[ti], q, err) = bracket_search(evaluate, d0, target,
                                                            f"{tensor_name(*self.tensors[ti])}: ")
@@ -268,12 +266,8 @@ class Encoder(Chain):
             for b in recs:
                 self.prune(local, b)
             dl = expand(dl.astype(np.float32))
-            if self.scope == "object":  # unsampled objects: their initial step scaled like the sample's
-                full0 = np.maximum(self.eps * np.sqrt(12.0 * norms[ti] / (self.obj_rows * H * d)), 1e-30)
-                delta[ti] = full0 * float(np.median(dl / d0))
-                delta[ti, objs] = dl
-            else:
-                delta[ti] = dl[0]
+            delta[ti] = scope.spread(dl, d0, objs, lambda: np.maximum(  # every object's initial step
+                self.eps * np.sqrt(12.0 * norms[ti] / (self.obj_rows * H * d)), 1e-30))
             if progress:  # in positions of the whole cache, like the passes
                 progress(int(self.obj_rows[objs].sum()) / n_t)
             if self.n_obj <= CHOICE_OBJECTS:  # the sample is the cache: this tensor is final
@@ -396,10 +390,7 @@ class Encoder(Chain):
     def _units(self) -> np.ndarray:
         """Scope unit of every object ``[n_tensors, n_obj]`` (pooled: one unit per tensor, whose
         steps the pooled search ties together)."""
-        n_t = len(self.tensors)
-        if self.scope == "object":
-            return np.arange(n_t * self.n_obj).reshape(n_t, self.n_obj)
-        return np.repeat(np.arange(n_t)[:, None], self.n_obj, axis=1)
+        return self.strategy.units(len(self.tensors), self.n_obj)
 
     def _search(self, tensors, norms, zero, progress=None):
         """Steps (one per scope unit) whose measured errors all meet the budget, searched jointly
@@ -419,11 +410,8 @@ class Encoder(Chain):
 
         # Aim at the middle of the band: a unit's error drifts a little when other units' steps
         # change (through predictions), and should stay inside it.
-        if self.scope in JOINT:
-            dl, hist = self._pooled_search(evaluate, first, norms.sum(axis=1), aim=0.997, widen=4)
-        else:
-            target = self.eps ** 2 * np.bincount(unit.ravel(), norms.ravel(), n_u)
-            dl, hist = bracket_search(evaluate, first, target, "", aim=0.997, widen=4)
+        dl, hist = self.strategy.search(evaluate, first, norms, unit, self.eps, self._pooled_search, aim=0.997,
+                                        widen=4)
         return dl.astype(np.float32)[unit], modes, hist
 
     # -- driver ----------------------------------------------------------------------------------
@@ -439,7 +427,7 @@ class Encoder(Chain):
         # Short caches (tensor/object scope) are final after the sample search, which codes each
         # tensor's objects as it goes (models first, then its objects); otherwise one more pass.
         early: dict = {"models": [], "objects": []}
-        self._early = early if self.n_obj <= CHOICE_OBJECTS and self.scope not in JOINT else None
+        self._early = early if self.n_obj <= CHOICE_OBJECTS and not self.strategy.joint else None
         delta, modes, hist = self._search(tensors, norms, zero, progress)
         if self._early is not None:
             models, emitted = early["models"], early["objects"]

@@ -62,7 +62,7 @@ class Measure:
             self.rows = [code_steps(c) for c in self.row_codes]
         elif row_codes is not None:
             raise EncodeError("row codes need config.row_steps")
-        self.weighted = budget.scope == "attention"
+        self.weighted = budget.strategy.attention  # the attention measure
         self._wc = None
         if self.weighted and self.step_codes is not None:
             self._wc = [((np.float64(STEP_UNIT) / c.astype(np.float64)) ** 2).reshape(H, d) for c in self.step_codes]

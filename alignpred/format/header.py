@@ -21,8 +21,9 @@ from alignpred import entropy
 from alignpred._version import __version__
 from alignpred.bank.bank import Bank
 from alignpred.cache.layout import CacheLayout
-from alignpred.codec.budget import SCOPES, WEIGHTED, ErrorBudget, TensorMeta
+from alignpred.codec.budget import SCOPES, ErrorBudget, TensorMeta
 from alignpred.codec.config import ARITHS, SINK_ORIGINS, CodecConfig
+from alignpred.codec.scopes import scope_of
 from alignpred.entropy import registry as coder_registry
 from alignpred.errors import BankMismatchError, FormatError
 from alignpred.format.container import FLAG_REFINE, MAJOR
@@ -73,7 +74,7 @@ def minor_for(layout, config, scope: str = "tensor", tiers=("coarse",), coder: s
     if config.channel_steps or config.stale_window or config.row_steps:
         return 3
     new = (config.arith != "float" or config.sink_origin != "file" or layout.rope is not None
-           or list(tiers) != ["coarse"] or scope in WEIGHTED)  # tensor_cap alone is informative
+           or list(tiers) != ["coarse"] or scope_of(scope).weighted)  # tensor_cap alone is informative
     return max(1 if new else 0, coder_registry.get(coder).min_minor)
 
 
@@ -90,7 +91,7 @@ def build_header(*, layout, config, budget: ErrorBudget, coder, bank_info, metas
              "entropy": {"coder": coder, "model_set": entropy.MODEL_SET_ID, "prec": coder_prec(coder)}}
     if tensor_cap:
         codec["tensor_cap"] = tensor_cap
-    if scope == "attention" and budget.plain_cap:
+    if budget.strategy.attention and budget.plain_cap:
         codec["plain_cap"] = float(budget.plain_cap)
     if weights is not None:
         codec["tensor_weights"] = list(weights)
@@ -237,7 +238,7 @@ def check_header(h: dict) -> None:
     if tw is not None and not (isinstance(tw, list) and all(type(x) in (int, float) and math.isfinite(x) and x > 0
                                                             for x in tw)):
         raise FormatError("codec.tensor_weights must be positive numbers")
-    if (codec["eps_scope"] in WEIGHTED) != (tw is not None):
+    if scope_of(codec["eps_scope"]).weighted != (tw is not None):
         raise FormatError("codec.tensor_weights go with the weighted and attention scopes")
     if tw is not None and len(tw) != 2 * lay["num_layers"]:
         raise FormatError("codec.tensor_weights must hold one weight per tensor")

@@ -119,7 +119,9 @@ class BlockStore:
                         "eps": self.eps, "lossless": self.lossless}
         if weights:  # the checkpoint, not only its name (None: nothing local to fingerprint)
             self.binding["weights"] = str(weights)
-        if self.scope != "tensor":  # an eps-only store keeps the keys it always had
+        from alignpred.codec import scope_of
+
+        if not scope_of(self.scope).default:  # an eps-only store (tensor scope) keeps the keys it always had
             self.binding.update(self.budget.binding())
         self._bind = hashlib.sha256(json.dumps(self.binding, sort_keys=True, separators=(",", ":")).encode()).digest()
         self._lock = threading.Lock()
