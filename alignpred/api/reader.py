@@ -268,7 +268,7 @@ class KvzReader:
         >>> import numpy as np
         >>> from alignpred import Cache, KvzReader, compress_bytes, fit_bank
         >>> c = Cache.from_arrays([(np.random.default_rng(0).standard_normal((2, 64, 16)).astype(np.float16),) * 2] * 3)
-        >>> KvzReader(compress_bytes(c, budget=0.05, bank=(b := fit_bank([c], rank=None))), bank=b).selection((8, 40), 2)
+        >>> KvzReader(compress_bytes(c, budget=0.1, bank=(b := fit_bank([c], rank=None))), bank=b).selection((8, 40), 2)
         (8, 40, [0, 1])"""
         lay = self.layout
         a, b = (0, lay.n_tokens) if tokens is None else (int(tokens[0]), int(tokens[1]))
