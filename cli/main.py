@@ -187,7 +187,8 @@ def compress(src, out, eps, eps_scope, target_kl, bank, self_calibrate, rank, al
                      if info.nrmse_weighted is not None else "")
     _emit(res, as_json, [f"{out}: {info.file_bytes} bytes, {info.bpv:.3f} bits/value "
                          f"({src_bits / info.bpv:.2f}x smaller than the {cache.layout.dtype} input)",
-                         f"error{' (attention-weighted measure)' if scope_of(eps_scope).attention else ''}: pooled NRMSE "
+                         f"error{' (attention-weighted measure)' if scope_of(eps_scope).attention else ''}: "
+                         "pooled NRMSE "
                          f"{info.nrmse_pooled:.6f}, worst tensor {info.nrmse_max_tensor:.6f} "
                          f"(eps {eps:.6g}, scope {eps_scope}"
                          f"{cap_note})"
