@@ -12,6 +12,7 @@ The layers above (hashing, encoding, model integration) only need that interface
 starts a throw-away redis-server for tests. Nothing stored is pickled: meta is JSON.
 """
 from .base import BlobRanges, ChunkBackend
+from .checked import CheckedReader
 from .cluster import RedisClusterBackend
 from .directory import DirectoryBackend
 from .errors import (
@@ -27,6 +28,6 @@ from .redis_backend import RedisBackend
 from .server import RedisClusterServer, RedisServer
 from .urls import open_url, scheme_of
 
-__all__ = ["BlobRanges", "ChunkBackend", "DirectoryBackend", "RedisBackend", "RedisClusterBackend", "Entry",
-           "entry_size", "open_url", "scheme_of", "StoreError", "StoreReadError", "StoreUnavailableError",
+__all__ = ["BlobRanges", "ChunkBackend", "CheckedReader", "DirectoryBackend", "RedisBackend", "RedisClusterBackend",
+           "Entry", "entry_size", "open_url", "scheme_of", "StoreError", "StoreReadError", "StoreUnavailableError",
            "StoreWarning", "StoreUnavailableWarning", "StoreAccessWarning", "RedisServer", "RedisClusterServer"]

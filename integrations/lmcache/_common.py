@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 
 from alignpred.cache import as_numpy
-from kvz.integrations.kvstore import open_url
+from kvz.integrations.kvstore import CheckedReader, open_url
 
 from .kvcodec import KvzChunkCodec, as_bool
 
@@ -80,6 +80,22 @@ def num_heads_of(metadata) -> int:
     return int(metadata.kv_shape[3])
 
 
+def key_binding(metadata) -> str:
+    """What kvz puts before LMCache's key string in its store: the served checkpoint's weights
+    fingerprint (:func:`~kvz.integrations.fingerprint.weights_fingerprint` of LMCache's
+    ``metadata.model_name``), so two checkpoints served under the same name never read each other's
+    chunks; ``""`` where nothing local can be fingerprinted (LMCache's key alone, as before).
+
+    >>> from types import SimpleNamespace
+    >>> key_binding(SimpleNamespace(model_name="org/not-downloaded-model"))
+    ''
+    """
+    from kvz.integrations.fingerprint import weights_fingerprint
+
+    fp = weights_fingerprint(getattr(metadata, "model_name", None))
+    return f"{fp}@" if fp else ""
+
+
 def backend_from_options(opts: dict, key: str, prefix: str, hint: str):
     """The chunk-store backend named by ``opts[key]`` (a URL or directory, see
     :func:`kvz.integrations.kvstore.open_url`), with the byte budget ``max_size_gb`` if set."""
@@ -139,34 +155,10 @@ def memory_format(name: str):
     return MemoryFormat[name]
 
 
-class BackendReader:
-    """``get`` on a :class:`~kvz.integrations.kvstore.ChunkBackend` that turns every failure into a miss
-    and warns when the backend dropped a corrupt entry (the backend itself only counts those)."""
-
-    def __init__(self, backend, what: str):
-        self.backend, self.what = backend, what
-        self._dropped: int | None = None
-
-    def _corrupt_count(self) -> int:
-        try:
-            return int(self.backend.stats().get("corrupt_dropped", 0))
-        except Exception:
-            return 0
-
-    def get(self, key: str):
-        if self._dropped is None:
-            self._dropped = self._corrupt_count()
-        try:
-            rec = self.backend.get(key)
-        except Exception as e:
-            warn(f"{self.what}: get failed ({type(e).__name__}: {e}); treated as a miss")
-            return None
-        if rec is None:
-            n = self._corrupt_count()
-            if n > self._dropped:
-                warn(f"{self.what}: entry {key[:60]} failed its checksum; deleted, a miss")
-            self._dropped = n
-        return rec
+def backend_reader(backend, what: str) -> CheckedReader:
+    """The adapters' corrupt-aware read (:class:`kvz.integrations.kvstore.CheckedReader`), warning
+    as :class:`KvzLMCacheWarning`."""
+    return CheckedReader(backend, what, warn=warn)
 
 
 def load_entry(rec, key: str, *, allocator, codec, backend, who: str):

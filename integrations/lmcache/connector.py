@@ -54,16 +54,20 @@ class KvzRemoteConnector(RemoteConnector):
             backend = C.backend_from_options(opts, "url", f"remote_storage_plugin.{self.name}",
                                              "redis://host:port/db or a directory")
         self.backend = backend
-        self._reader = C.BackendReader(backend, f"kvz remote connector {self.name}")
+        self._binding = C.key_binding(meta)  # the weights: LMCache's keys name the model only
+        self._reader = C.backend_reader(backend, f"kvz remote connector {self.name}")
         C.start_warmup(self.codec, meta, opts, f"kvz remote connector {self.name}")
 
     def __repr__(self):
         return f"<KvzRemoteConnector {self.name} {self.backend!r}>"
 
+    def _key(self, key) -> str:
+        return self._binding + key.to_string()
+
     # ------------------------------------------------------------------ sync helpers
     def exists_sync(self, key) -> bool:
         try:
-            return bool(self.backend.contains(key.to_string()))
+            return bool(self.backend.contains(self._key(key)))
         except Exception as e:
             C.warn(f"kvz remote connector: contains failed ({e}); a miss")
             return False
@@ -72,11 +76,11 @@ class KvzRemoteConnector(RemoteConnector):
         t = memory_obj.tensor
         blob = self.codec.encode(C.kv_pairs(t, self.num_heads), None, step=self.chunk_size)
         rec = C.pack(blob, t.shape, t.dtype, memory_obj.get_memory_format())
-        if not self.backend.put(key.to_string(), rec, meta={"tokens": int(t.shape[2])}):
+        if not self.backend.put(self._key(key), rec, meta={"tokens": int(t.shape[2])}):
             C.warn(f"kvz remote connector: put of {key.to_string()[:60]} refused or failed; not stored")
 
     def _get_sync(self, key):
-        k = key.to_string()
+        k = self._key(key)
         rec = self._reader.get(k)
         if rec is None:
             return None
@@ -112,7 +116,7 @@ class KvzRemoteConnector(RemoteConnector):
 
     def remove_sync(self, key) -> bool:
         try:
-            return bool(self.backend.delete(key.to_string()))
+            return bool(self.backend.delete(self._key(key)))
         except Exception:
             return False
 

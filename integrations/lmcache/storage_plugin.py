@@ -51,7 +51,8 @@ class KvzStoragePlugin(StoragePluginInterface):
         if backend is None:
             backend = C.backend_from_options(opts, "path", f"storage_plugin.{self.name}", "the kvz chunk directory")
         self.backend = backend
-        self._reader = C.BackendReader(backend, "kvz storage plugin")
+        self._binding = C.key_binding(metadata)  # the weights: LMCache's keys name the model only
+        self._reader = C.backend_reader(backend, "kvz storage plugin")
         self._lock = threading.Lock()
         self._inflight: set = set()
         self._pool = ThreadPoolExecutor(max_workers=int(opts.get("workers", 1)), thread_name_prefix="kvz-put")
@@ -61,9 +62,8 @@ class KvzStoragePlugin(StoragePluginInterface):
         return f"KvzStoragePlugin({self.name})"
 
     # ------------------------------------------------------------------ lookups
-    @staticmethod
-    def _key(key) -> str:
-        return key.to_string()
+    def _key(self, key) -> str:
+        return self._binding + key.to_string()
 
     def contains(self, key, pin: bool = False) -> bool:
         try:

@@ -36,7 +36,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvz.integrations.fingerprint import weights_fingerprint
-from kvz.integrations.kvstore import open_url
+from kvz.integrations.kvstore import CheckedReader, open_url
 from kvz.integrations.lmcache import (  # the engine-free chunk codec (imports no LMCache)
     as_numpy,
     codec_from_options,
@@ -128,7 +128,7 @@ class KvzHiCacheStorage(HiCacheStorage):
             suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
         self.suffix = suffix
         self.mem_pool_host: Any = None  # set by register_mem_pool_host
-        self._dropped = None
+        self._reader = CheckedReader(self.backend, "kvz HiCache", warn=_warn, noun="page")
         self.stats = {"set": 0, "get_hit": 0, "get_miss": 0, "searched_positions": 0}
 
     # ------------------------------------------------------------------ geometry
@@ -167,28 +167,12 @@ class KvzHiCacheStorage(HiCacheStorage):
             self.stats["set"] += 1
         return ok
 
-    def _corrupt_count(self) -> int:
-        try:
-            return int(self.backend.stats().get("corrupt_dropped", 0))
-        except Exception:
-            return 0
-
     def _decode_into(self, key: str, out: torch.Tensor) -> bool:
         """Decode page ``key`` into the flat tensor ``out`` (the pool's dtype); False on a miss."""
         layout, L, P, H, D = self._geom()
         k = self._key(key)
-        if self._dropped is None:
-            self._dropped = self._corrupt_count()
-        try:
-            blob = self.backend.get(k)
-        except Exception as e:
-            _warn(f"kvz HiCache: get failed ({type(e).__name__}: {e}); a miss")
-            blob = None
+        blob = self._reader.get(k)
         if blob is None:
-            n = self._corrupt_count()
-            if n > self._dropped:
-                _warn(f"kvz HiCache: page {key[:40]} failed its checksum; deleted, a miss")
-            self._dropped = n
             self.stats["get_miss"] += 1
             return False
         try:

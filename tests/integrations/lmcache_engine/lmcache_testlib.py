@@ -68,11 +68,11 @@ def kvz_extra(prefix, **kw):
     return d
 
 
-def lm_metadata(chunk_size=256):
+def lm_metadata(chunk_size=256, model_name="gemma-3-270m"):
     import torch
     from lmcache.v1.metadata import LMCacheMetadata
 
-    return LMCacheMetadata(model_name="gemma-3-270m", world_size=1, local_world_size=1, worker_id=0,
+    return LMCacheMetadata(model_name=model_name, world_size=1, local_world_size=1, worker_id=0,
                            local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(L, 2, chunk_size, H, D))
 
 

@@ -88,6 +88,42 @@ def test_storage_manager_roundtrip_and_position(tmp_path, sample):
         sm.close()
 
 
+def test_keys_bind_the_served_weights(tmp_path, sample):
+    """Two checkpoints served under one name (LMCache's keys carry the name only) never read each
+    other's chunks from one kvz store; the same checkpoint in another folder does (issue 38 item 4)."""
+    import shutil
+
+    import numpy as np
+    from lmcache.v1.event_manager import EventManager
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+    def model(d, seed):
+        os.makedirs(d)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write('{"model_type": "gemma3_text"}')
+        with open(os.path.join(d, "model.safetensors"), "wb") as f:
+            f.write(np.random.default_rng(seed).bytes(1 << 20))
+        return str(d)
+
+    a, b = model(tmp_path / "a" / "gemma", 0), model(tmp_path / "b" / "gemma", 1)
+    a2 = str(tmp_path / "a2" / "gemma")
+    shutil.copytree(a, a2)
+    _, kv = sample
+    found = {}
+    for name, folder in (("a", a), ("b", b), ("a2", a2)):
+        sm = StorageManager(config=plugin_config(tmp_path / "kvz", warmup=False), event_manager=EventManager(),
+                            metadata=lm_metadata(model_name=folder))
+        try:
+            plugin = sm.storage_backends["kvz"]
+            if name == "a":
+                sm.batched_put([key(5)], [chunk_obj(sm, kv, 0, 256)])
+                plugin.wait()
+            found[name] = plugin.contains(key(5))
+        finally:
+            sm.close()
+    assert found == {"a": True, "b": False, "a2": True}, found
+
+
 def test_corrupt_entry_and_store_down_are_misses(tmp_path, sample):
     from lmcache.v1.event_manager import EventManager
     from lmcache.v1.storage_backend.storage_manager import StorageManager
