@@ -9,11 +9,14 @@ Phase 1 (in parallel): an engine without a connector (the reference), a writer i
 directory store, a writer into Redis. The test then damages two stored runs. Phase 2: a reader of
 the directory store and a reader of Redis behind a 2 Mbit/s link with a 3 s deadline. Phase 3: a
 reader of Redis behind an 8 Mbit/s link whose server the test stops once part of the load has
-crossed the link. On a 3-master Redis Cluster (``cluster_runs``, its own engines: ``-k cluster`` runs
-only them): a reference and a writer; then two engines, one cluster (a second engine process reads
-what the first stored); then a reader whose every cluster node is behind an 8 Mbit/s proxy of its
-own, and the test SIGKILLs the master of the stored run's slot once part of the load has crossed
-that master's link."""
+crossed the link, and beside it an engine whose store is a Redis Cluster that is down (no node
+answers): its prompt is a miss and a warning.
+
+On a 3-master Redis Cluster (``cluster_runs``, its own engines; ``-k "cluster and not
+unreachable"`` runs only them): a reference and a writer; then two engines, one cluster (a second
+engine process reads what the first stored); then a reader whose every cluster node is behind an
+8 Mbit/s proxy of its own, and the test SIGKILLs the master of the stored run's slot once part of
+the load has crossed that master's link."""
 import hashlib
 import json
 import os
@@ -114,8 +117,11 @@ def runs(tmp_path_factory, gemma_hf_dir):
 
             w = threading.Thread(target=watch, daemon=True)
             w.start()
+            # beside it, on the other core: an engine whose store is a Redis Cluster nobody serves
             out.update(_wait({"redis_stop": _spec(tmp, "redis_stop", gemma_hf_dir, [P["R2"]],
-                                                  {"store": mid.url_for(srv.url), "read_only": True, **ns}, c1)}))
+                                                  {"store": mid.url_for(srv.url), "read_only": True, **ns}, c1),
+                              "cluster_down": _spec(tmp, "cluster_down", gemma_hf_dir, [P["R1"]],
+                                                    {"store": "redis+cluster://127.0.0.1:1/", **ns}, c0)}))
             stopped["end"] = True
             w.join(5)
             out["_stopped"] = stopped
@@ -282,6 +288,16 @@ def test_redis_cluster_master_killed_between_layers_recomputes(cluster_runs):
     assert got["tokens"] == _tokens(r, "ref", 0)
     assert got["delta"]["failed_blocks"] == 4 and got["delta"]["loaded_blocks"] == 0, got["delta"]
     assert got["delta"]["blocked_s"] < CLUSTER_DEADLINE_S + 1.0, got["delta"]
+
+
+def test_unreachable_redis_cluster_is_a_miss_with_warning(runs):
+    """The cluster variant of test_connector's ``down`` store: no node answers; the engine starts,
+    computes the prompt itself (the no-connector engine's tokens) and warns, never crashes."""
+    d = runs["cluster_down"]
+    r = d["results"][0]
+    assert r["cached_tokens"] == 0
+    assert r["tokens"] == _tokens(runs, "ref", 3)
+    assert any("Unavailable" in x or "KvzVllmWarning" in x for x in d["warnings"]), d["warnings"]
 
 
 def test_writers_chose_a_profile_and_report_it(runs):
