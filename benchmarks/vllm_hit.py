@@ -98,16 +98,20 @@ def choose_auto(store_dir: str, tokens: int, cores) -> dict:
     from kvz.integrations.kvstore import DirectoryBackend
     from kvz.integrations.vllm import BlockStore, choose_profile
 
+    before = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, set(cores))
     except OSError:
         pass
-    thetas = [1e6 if i % 6 == 5 else 1e4 for i in range(L)]
-    types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(L)]
-    be = DirectoryBackend(store_dir)
-    st = BlockStore(be, model_id="probe", block_size=128, layer_types=types, rope_theta=thetas, shape=(L, H, D),
-                    dtype="bfloat16", bank="gemma-3-270m", threads=1)
-    return choose_profile(st, be, (L, H, D), tokens)
+    try:
+        thetas = [1e6 if i % 6 == 5 else 1e4 for i in range(L)]
+        types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(L)]
+        be = DirectoryBackend(store_dir)
+        st = BlockStore(be, model_id="probe", block_size=128, layer_types=types, rope_theta=thetas, shape=(L, H, D),
+                        dtype="bfloat16", bank="gemma-3-270m", threads=1)
+        return choose_profile(st, be, (L, H, D), tokens)
+    finally:  # the engines started after this inherit the benchmark's affinity: give them every core again
+        os.sched_setaffinity(0, before)
 
 
 def run(size: int, model_dir: str, *, rounds: int = 3, links=("1g", "10g"), workdir: str | None = None,

@@ -114,3 +114,17 @@ def test_store_configs_and_the_cluster_rows(tmp_path):
         s = open_url(url, namespace=a["namespace"])
         assert s.put("k", b"v") and s.get("k") == b"v"  # a live cluster
         s.close()
+
+
+def test_auto_choice_gives_the_engines_every_core_back(tmp_path, monkeypatch):
+    """vllm_hit measures auto's choice pinned to the load cores; the engines it starts afterwards
+    inherit its affinity, so it must be restored (it was not: every later engine ran on the load
+    cores only, its Python thread beside kvz's load thread)."""
+    import kvz.benchmarks.vllm_hit as vh
+    import kvz.integrations.vllm as kv
+
+    before = os.sched_getaffinity(0)
+    seen = []
+    monkeypatch.setattr(kv, "choose_profile", lambda *a: seen.append(os.sched_getaffinity(0)) or {"profile": "fast"})
+    assert vh.choose_auto(str(tmp_path / "probe"), 256, [min(before)]) == {"profile": "fast"}
+    assert seen == [{min(before)}] and os.sched_getaffinity(0) == before
