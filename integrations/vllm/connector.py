@@ -33,8 +33,8 @@ forward does while it waits for a layer; default ``auto``: the cores that are no
 ``none`` to switch off; :func:`~kvz.integrations.vllm.loader.idle_cores`), ``load_deadline_s``
 (default 30: a step's loads not complete by then are cancelled and recomputed), ``layerwise`` (default True: the forward
 waits per layer; False: every load completes before the forward starts), ``decode_process``
-(default True: loads decode in kvz's own process on the load cores, out of the engine's GIL:
-:mod:`~kvz.integrations.vllm.decode_worker`; False, or a process that fails: in the load thread),
+(default False: in the load thread; True: in kvz's own process, out of the engine's GIL,
+:mod:`~kvz.integrations.vllm.decode_worker`: slower on an 8K hit on Zen 5, docs/vllm.md),
 ``window_loads`` (``auto``/``on``/``off``: :mod:`~kvz.integrations.vllm.window`), ``switch_interval_s``
 (default 0.0002: the load thread's interpreter switch interval; :class:`~kvz.integrations.vllm.loader.StepLoad`),
 ``sync_save`` (encode in the step, not in a background thread), ``read_only``, ``store_after_lossy``
@@ -130,7 +130,7 @@ class KvzConnector(KVConnectorBase_V1):
                         profile="default" if self.profile_setting == "auto" else self.profile_setting)
         self.store = BlockStore(self.backend, **settings)
         # kvz's decode process (decode_worker): the same store and settings, opened there
-        self.decode_process = bool(get("decode_process", True))
+        self.decode_process = bool(get("decode_process", False))
         self._decoder_args = (store_url, kw, settings)
         self._decoder: Any = None
         self.lossy = not lossless
@@ -157,9 +157,9 @@ class KvzConnector(KVConnectorBase_V1):
         from .loader import idle_cores, load_cores
 
         self.load_cores, self.load_cores_reason = load_cores(get("load_cores", None))
-        dt = get("decode_threads", None)
-        self.decode_threads = int(dt) if dt is not None else len(self.load_cores)
-        self.idle_cores, self.idle_cores_reason = idle_cores(get("idle_cores", None), self.load_cores)
+        self.decode_threads = int(get("decode_threads", None) or len(self.load_cores))
+        self.idle_cores, self.idle_cores_reason = idle_cores(get("idle_cores", None), self.load_cores) \
+            if self.decode_process else ([], "none (decode_process off: loads decode in the load thread)")
         self._save_q: queue.Queue | None = None
         self._save_thread: threading.Thread | None = None
         self.timings = {"load_s": 0.0, "decode_s": 0.0, "copy_s": 0.0, "read_s": 0.0, "blocked_s": 0.0,

@@ -1,7 +1,8 @@
 """Windowed loads in vLLM's own engine (kvz.integrations.vllm.window): on a 1,280-token hit of Gemma 3
 270M, the 15 sliding-window layers (window 512) are decoded from position 640 only and zeros are
 written before it; the full-attention layers whole. The greedy tokens equal the writer's (a full
-prefill), and ``window_loads: off`` decodes everything.
+prefill), and ``window_loads: off`` decodes everything (in kvz's decode process: the engine's
+test of that path; the default decodes in the load thread).
 
 Lossless ``fast`` store (no linear maps: the windowed decode skips work, and the loaded blocks are
 the writer's bits exactly, so the comparison is bit for bit)."""
@@ -38,6 +39,7 @@ def runs(tmp_path_factory, gemma_hf_dir):
                                                                  "debug_dir": str(tmp / "dbg-on")},
                         cores[0], "write", max_model_len=1536),
         "whole": _spec(tmp, "whole", gemma_hf_dir, [prompt], {**base, "read_only": True, "window_loads": "off",
+                                                               "decode_process": True,  # the other decode path
                                                                "debug_dir": str(tmp / "dbg-off")},
                        cores[-1], "write", max_model_len=1536)}))
     r["_tmp"] = tmp
@@ -58,6 +60,10 @@ def test_windowed_hit_same_tokens(runs):
         assert got["tokens"] == ref["tokens"], name
     assert "decoded from their window" in runs["window"]["connector"]["stats"]["window_loads"]
     assert runs["whole"]["connector"]["stats"]["window_loads"] == "window_loads off"
+    # the default decodes in the load thread; "whole" in kvz's decode process (decode_process: true)
+    assert not runs["window"]["connector"]["stats"]["decode_process"]
+    dp = runs["whole"]["connector"]["stats"]["decode_process"]
+    assert dp and dp.get("error") is None, dp
 
 
 def test_windowed_blocks(runs):
