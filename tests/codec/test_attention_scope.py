@@ -5,10 +5,9 @@ import copy
 
 import numpy as np
 import pytest
-from kvz_testing import synthetic_cache
+from kvz_testing import attention_setup, synthetic_cache
 
 from alignpred import ErrorBudget, KvzError, KvzReader, compress, fit_bank
-from alignpred.bank import AttentionStats
 from alignpred.codec.attention_steps import MAX_STEP, STALE_SCALE, codes_for_weights, step_codes
 from alignpred.codec.config import CodecConfig
 from alignpred.errors import FormatError
@@ -21,18 +20,8 @@ T, D, L, WINDOW = 600, 32, 3, 64
 def setup(tmp_path_factory):
     """A roped synthetic cache (sliding layers), its bank file and a sidecar with uneven weights."""
     tmp = tmp_path_factory.mktemp("att")
-    c = synthetic_cache(n_layers=L, T=T, d=D, roped=True, seed=3)
-    bank = fit_bank([synthetic_cache(n_layers=L, T=T, d=D, roped=True, seed=4)], rank=8)
-    bank_path = tmp / "b.h5"
-    bank.save(bank_path)
-    rng = np.random.default_rng(0)
-    s = AttentionStats.empty("synthetic", bank.id, ["sliding_attention"] * L, kv_heads=1, head_dim=D)
-    half = rng.lognormal(0.0, 1.5, (L, 1, D // 2))
-    key = np.concatenate([half, half], axis=-1)  # pair-constant, as queries' phase-averaged moments are
-    from dataclasses import replace
-    s = replace(s, key_channel=key, value_gram_diag=rng.lognormal(0.0, 0.5, (L, 1, D)), sliding_window=WINDOW)
-    s.save(AttentionStats.path_for(bank_path))
-    weights = {n: w for n, w in zip(c.layout.tensor_names(), np.linspace(1.0, 3.0, 2 * L))}
+    c, bank_path, s, weights = attention_setup(tmp, n_layers=L, T=T, d=D, window=WINDOW, seeds=(3, 4, 0),
+                                               key_sigma=1.5, top_weight=3.0)
     return c, bank_path, s, weights, tmp
 
 

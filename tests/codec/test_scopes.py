@@ -1,13 +1,12 @@
 """Contract tests of the rate-control scopes (alignpred.codec.scopes): every strategy of the registry,
 on the same synthetic cache, meets its budget as its own flags and units define it, measured by
 decoding; its units are well formed; what the header records follows its flags."""
-from dataclasses import replace
 
 import numpy as np
 import pytest
-from kvz_testing import synthetic_cache
+from kvz_testing import attention_setup
 
-from alignpred import CodecConfig, ErrorBudget, KvzError, KvzReader, compress, fit_bank
+from alignpred import CodecConfig, ErrorBudget, KvzError, KvzReader, compress
 from alignpred.api.describe import summarize
 from alignpred.bank import AttentionStats
 from alignpred.codec import JOINT, SCOPE_REGISTRY, SCOPES, Scope, scope_of
@@ -24,17 +23,8 @@ def setup(tmp_path_factory):
     """A roped synthetic cache (sliding layers), its bank with an attention-statistics sidecar, and
     uneven tensor weights."""
     tmp = tmp_path_factory.mktemp("scopes")
-    c = synthetic_cache(n_layers=L, T=T, d=D, roped=True, seed=5)
-    bank = fit_bank([synthetic_cache(n_layers=L, T=T, d=D, roped=True, seed=6)], rank=8)
-    bank_path = tmp / "b.h5"
-    bank.save(bank_path)
-    rng = np.random.default_rng(1)
-    s = AttentionStats.empty("synthetic", bank.id, ["sliding_attention"] * L, kv_heads=1, head_dim=D)
-    half = rng.lognormal(0.0, 1.0, (L, 1, D // 2))
-    s = replace(s, key_channel=np.concatenate([half, half], axis=-1),
-                value_gram_diag=rng.lognormal(0.0, 0.5, (L, 1, D)), sliding_window=WINDOW)
-    s.save(AttentionStats.path_for(bank_path))
-    weights = {n: w for n, w in zip(c.layout.tensor_names(), np.linspace(1.0, 2.0, 2 * L))}
+    c, bank_path, _, weights = attention_setup(tmp, n_layers=L, T=T, d=D, window=WINDOW, seeds=(5, 6, 1),
+                                               key_sigma=1.0, top_weight=2.0)
     return c, bank_path, weights, tmp
 
 
