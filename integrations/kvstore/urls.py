@@ -86,7 +86,8 @@ def open_url(url, *, budget_gb=None, **kw):
     """The backend a store URL names (see the module docstring); ``kw``: backend arguments
     (``budget_bytes``, ``namespace``, ``ttl_s``, ``policy``, ``shards`` …), those a backend does not
     take are ignored (a directory has no namespace). ``budget_gb`` (a number or its string, as engine
-    configurations give it) is ``budget_bytes`` in GiB, where ``budget_bytes`` is not given. A
+    configurations give it) is ``budget_bytes`` in GiB, where ``budget_bytes`` is not given (0 or
+empty: no budget, as the engines' ``max_size_gb`` settings always meant). A
     directory is created if missing. Nothing is contacted here: a Redis store that is down answers
     misses (and warns) when used; ``backend.check()`` raises instead.
 
@@ -109,9 +110,13 @@ def open_url(url, *, budget_gb=None, **kw):
     given = {k: v for k, v in kw.items() if v is not None}
     if budget_gb not in (None, "") and "budget_bytes" not in given:
         try:
-            given["budget_bytes"] = int(float(budget_gb) * (1 << 30))
+            gib = float(budget_gb)
         except (TypeError, ValueError):
             raise StoreError(f"bad store budget {budget_gb!r} GiB: need a number") from None
+        if gib < 0 or gib != gib:
+            raise StoreError(f"bad store budget {budget_gb!r} GiB: need a number >= 0 (0: no budget)")
+        if gib > 0:
+            given["budget_bytes"] = int(gib * (1 << 30))
     kind = scheme_of(url)
     if kind == "directory":
         path = url[len("file://"):] if url.startswith("file://") else url

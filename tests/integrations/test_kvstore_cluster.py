@@ -110,6 +110,10 @@ def test_open_url_kinds_and_parameters(tmp_path, monkeypatch):
     assert open_url(str(tmp_path / "g"), budget_gb="0.25").budget_bytes == 1 << 28
     assert open_url(str(tmp_path / "g"), budget_gb=1, budget_bytes=7).budget_bytes == 7  # bytes win
     assert open_url(str(tmp_path / "g"), budget_gb="").budget_bytes is None
+    assert open_url(str(tmp_path / "g"), budget_gb=0).budget_bytes is None  # 0: no budget (max_size_gb: 0)
+    assert open_url(str(tmp_path / "g"), budget_gb="0").budget_bytes is None
+    with pytest.raises(StoreError, match=">= 0"):
+        open_url(str(tmp_path / "g"), budget_gb="-1")
     with pytest.raises(StoreError, match="GiB"):
         open_url(str(tmp_path / "g"), budget_gb="lots")
 
