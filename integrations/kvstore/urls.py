@@ -50,6 +50,15 @@ def scheme_of(url: str) -> str:
     return "directory"
 
 
+def gib_bytes(v) -> int | None:
+    """A budget in GiB (a number or its string) as bytes; 0: None, no budget. ValueError if it is
+    not a number >= 0."""
+    gib = float(v)
+    if not gib >= 0:  # negative or NaN
+        raise ValueError(f"bad budget {v!r} GiB")
+    return int(gib * (1 << 30)) if gib > 0 else None
+
+
 def split_query(url: str) -> tuple[str, dict]:
     """``(url without kvz's query parameters, those parameters typed)``."""
     p = urlparse(url)
@@ -62,7 +71,7 @@ def split_query(url: str) -> tuple[str, dict]:
             elif k in _INT:
                 ours[k] = int(v)
             elif k == "budget_gb":
-                ours["budget_bytes"] = int(float(v) * (1 << 30))
+                ours["budget_bytes"] = gib_bytes(v)
             elif k in _STR:
                 ours[k] = v
             elif k in _SSL:
@@ -110,13 +119,9 @@ empty: no budget, as the engines' ``max_size_gb`` settings always meant). A
     given = {k: v for k, v in kw.items() if v is not None}
     if budget_gb not in (None, "") and "budget_bytes" not in given:
         try:
-            gib = float(budget_gb)
+            given["budget_bytes"] = gib_bytes(budget_gb)
         except (TypeError, ValueError):
-            raise StoreError(f"bad store budget {budget_gb!r} GiB: need a number") from None
-        if gib < 0 or gib != gib:
-            raise StoreError(f"bad store budget {budget_gb!r} GiB: need a number >= 0 (0: no budget)")
-        if gib > 0:
-            given["budget_bytes"] = int(gib * (1 << 30))
+            raise StoreError(f"bad store budget {budget_gb!r} GiB: need a number >= 0 (0: no budget)") from None
     kind = scheme_of(url)
     if kind == "directory":
         path = url[len("file://"):] if url.startswith("file://") else url
