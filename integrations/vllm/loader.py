@@ -114,27 +114,21 @@ class LayerPrefetch:
     """A :class:`~alignpred.format.RangedSource` over a stored blob that reads the given spans
     (``[(offset, length)]``, in decode order) ahead on an I/O thread; a read inside a span waits for
     it (until ``deadline``, a ``time.monotonic()`` value), other reads go to the store directly.
-    ``read_s``: seconds the I/O thread spent reading. ``spans=None``: nothing is read ahead until
-    :meth:`start` (a reader can parse the blob's header and index through it first, once)."""
+    ``read_s``: seconds the I/O thread spent reading."""
 
-    def __init__(self, blob, spans=None, deadline: float | None = None):
+    def __init__(self, blob, spans, deadline: float | None = None):
         self.blob = blob
         self.size = blob.size
         self.name = getattr(blob, "name", "<store entry>")
-        self.spans: list = []
+        self.spans = sorted(spans)
         self.deadline = deadline
         self._data: dict[int, memoryview] = {}
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._stop = False
         self.read_s = 0.0
-        if spans is not None:
-            self.start(spans)
-
-    def start(self, spans) -> None:
-        """Read ``spans`` ahead from now on (once)."""
-        self.spans = sorted(spans)
-        threading.Thread(target=self._run, name="kvz-load-io", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="kvz-load-io", daemon=True)
+        self._thread.start()
 
     def _run(self):
         try:

@@ -261,11 +261,10 @@ class BlockStore:
         src = self.backend.open_blob(seg.run_key)
         if src is None:
             raise LookupError(f"stored run {seg.run_key[:24]}… is gone (evicted or the store is down)")
-        pre = LayerPrefetch(src, None, deadline)  # one reader parses the run; then its layers are read ahead
         try:
             if bytes(src.read_range(src.size - FOOTER_SIZE, FOOTER_SIZE)) != seg.footer:
                 raise LookupError(f"stored run {seg.run_key[:24]}… was replaced since its lookup")
-            r = KvzReader(pre, bank=self.bank, session=self.session,
+            r = KvzReader(src, bank=self.bank, session=self.session,
                           threads=threads if threads is not None else self.threads)
             a = seg.run_index * self.block_size
             tokens = (a, a + seg.count * self.block_size)
@@ -274,10 +273,10 @@ class BlockStore:
             spans = [sp for i in range(self.shape[0]) if st.get(i, 0) < n
                      for sp in r.payload_spans(i, (a + st.get(i, 0), tokens[1]))]
         except BaseException:
-            pre.close()
+            src.close()
             raise
-        pre.start(spans)
-        return r, tokens, pre
+        pre = LayerPrefetch(src, spans, deadline)
+        return KvzReader(pre, bank=self.bank, session=self.session, threads=r.threads), tokens, pre
 
     def warmup(self) -> float:
         """Encode and decode one synthetic block in this store's mode, so the codec's kernels are
